@@ -1,0 +1,1 @@
+//! dflash-config (under construction).

@@ -1,0 +1,1 @@
+//! dflash-context (under construction).

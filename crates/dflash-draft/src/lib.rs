@@ -1,0 +1,1 @@
+//! dflash-draft (under construction).

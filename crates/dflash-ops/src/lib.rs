@@ -1,0 +1,1 @@
+//! dflash-ops (under construction).

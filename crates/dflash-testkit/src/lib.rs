@@ -1,0 +1,1 @@
+//! dflash-testkit (under construction).

@@ -1,0 +1,1 @@
+//! dflash-verify (under construction).
