@@ -1,0 +1,294 @@
+//! The CUDA backend (feature `cuda`): context, stream, NVRTC module cache, cuBLAS handle.
+//!
+//! Everything is loaded at run time (cudarc `dynamic-loading`): a machine without a driver
+//! gets [`OpsError::Cuda`] from [`CudaBackend::new`], never a panic. Kernel sources live in
+//! `kernels/<op>.cu` (plus the shared `kernels/common.cuh`), are compiled by NVRTC for the
+//! device's compute capability on first use and cached per backend. NVRTC needs the CUDA
+//! headers (`cuda_bf16.h`): their folder is `$CUDA_HOME/include`, else `$CUDA_PATH/include`,
+//! else `/usr/local/cuda/include`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+
+use crate::{Buffer, Element, OpsError, Result, backend::Storage};
+
+/// Shared device helpers prepended to every kernel source (bf16/f16 casts, Philox).
+pub const COMMON_CUH: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../kernels/common.cuh"
+));
+
+/// Map a cudarc error into [`OpsError::Cuda`] with context.
+pub(crate) fn cuda_err(
+    context: impl Into<String>,
+) -> impl FnOnce(cudarc::driver::DriverError) -> OpsError {
+    let context = context.into();
+    move |e| OpsError::Cuda {
+        context,
+        message: e.to_string(),
+    }
+}
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+    include_dir: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    blas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
+}
+
+/// A CUDA device with one stream on which every op is queued in order.
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("arch", &self.inner.arch)
+            .finish()
+    }
+}
+
+/// The folder holding the CUDA headers NVRTC needs, from `CUDA_HOME`, `CUDA_PATH`, then
+/// `/usr/local/cuda`.
+pub fn cuda_include_dir() -> Result<String> {
+    let mut tried = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(root) = std::env::var(var) {
+            let inc = format!("{root}/include");
+            if std::path::Path::new(&inc).join("cuda_bf16.h").exists() {
+                return Ok(inc);
+            }
+            tried.push(format!("${var}/include = {inc}"));
+        } else {
+            tried.push(format!("${var} (unset)"));
+        }
+    }
+    let default = "/usr/local/cuda/include";
+    if std::path::Path::new(default).join("cuda_bf16.h").exists() {
+        return Ok(default.to_string());
+    }
+    tried.push(default.to_string());
+    Err(OpsError::Cuda {
+        context: "locating cuda_bf16.h for NVRTC".into(),
+        message: format!(
+            "not found in any of: {}; set CUDA_HOME to the CUDA toolkit root",
+            tried.join(", ")
+        ),
+    })
+}
+
+impl CudaBackend {
+    /// Open device `ordinal`: a context, a non-default stream, and the NVRTC include path.
+    ///
+    /// Event tracking is disabled (all work is ordered on the one stream), which keeps every
+    /// op capturable into a CUDA graph.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let count = std::panic::catch_unwind(CudaContext::device_count)
+            .map_err(|_| OpsError::Cuda {
+                context: "loading the CUDA driver".into(),
+                message: "libcuda could not be loaded (no NVIDIA driver on this machine?)".into(),
+            })?
+            .map_err(cuda_err("counting CUDA devices"))?;
+        if ordinal >= usize::try_from(count).unwrap_or(0) {
+            return Err(OpsError::Cuda {
+                context: format!("opening CUDA device {ordinal}"),
+                message: format!("this machine has {count} CUDA device(s)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(cuda_err(format!("creating a context on device {ordinal}")))?;
+        // SAFETY: we order all work on one stream ourselves; no event-based sync is relied on.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("reading compute capability"))?;
+        let include_dir = cuda_include_dir()?;
+        Ok(CudaBackend {
+            inner: Arc::new(Inner {
+                ctx,
+                stream,
+                arch: format!("sm_{major}{minor}"),
+                include_dir,
+                modules: Mutex::new(HashMap::new()),
+                blas: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.inner.ctx
+    }
+
+    /// The stream every op is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// The `sm_XY` target NVRTC compiles for.
+    pub fn arch(&self) -> &str {
+        &self.inner.arch
+    }
+
+    /// The shared cuBLAS handle bound to [`Self::stream`].
+    pub fn blas(&self) -> Result<Arc<cudarc::cublas::CudaBlas>> {
+        let mut guard = self.inner.blas.lock().map_err(|_| OpsError::Cuda {
+            context: "cuBLAS handle".into(),
+            message: "lock poisoned".into(),
+        })?;
+        if let Some(b) = guard.as_ref() {
+            return Ok(b.clone());
+        }
+        let blas = Arc::new(
+            cudarc::cublas::CudaBlas::new(self.inner.stream.clone()).map_err(|e| {
+                OpsError::Cuda {
+                    context: "creating the cuBLAS handle".into(),
+                    message: e.to_string(),
+                }
+            })?,
+        );
+        *guard = Some(blas.clone());
+        Ok(blas)
+    }
+
+    /// Function `name` of module `module` (compiled from `COMMON_CUH` + `source` on first use).
+    pub fn function(&self, module: &'static str, source: &str, name: &str) -> Result<CudaFunction> {
+        let m = {
+            let mut cache = self.inner.modules.lock().map_err(|_| OpsError::Cuda {
+                context: format!("module cache ({module})"),
+                message: "lock poisoned".into(),
+            })?;
+            if let Some(m) = cache.get(module) {
+                m.clone()
+            } else {
+                let src = format!("{COMMON_CUH}\n{source}");
+                let opts = cudarc::nvrtc::CompileOptions {
+                    include_paths: vec![self.inner.include_dir.clone()],
+                    options: vec![
+                        format!("--gpu-architecture={}", self.inner.arch),
+                        "--std=c++17".into(),
+                    ],
+                    name: Some(format!("{module}.cu")),
+                    ..Default::default()
+                };
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| {
+                    OpsError::Cuda {
+                        context: format!(
+                            "NVRTC compiling kernels/{module}.cu for {}",
+                            self.inner.arch
+                        ),
+                        message: e.to_string(),
+                    }
+                })?;
+                let m = self
+                    .inner
+                    .ctx
+                    .load_module(ptx)
+                    .map_err(cuda_err(format!("loading module {module}")))?;
+                cache.insert(module, m.clone());
+                m
+            }
+        };
+        m.load_function(name)
+            .map_err(cuda_err(format!("loading function {name} of {module}")))
+    }
+
+    /// Wait for the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner
+            .stream
+            .synchronize()
+            .map_err(cuda_err("synchronizing the stream"))
+    }
+
+    pub(crate) fn zeros<T: Element>(&self, len: usize) -> Result<Buffer<T>> {
+        let d = self
+            .inner
+            .stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(cuda_err(format!("allocating {len} x {}", T::DTYPE)))?;
+        Ok(Buffer {
+            storage: Storage::Device(d, len),
+        })
+    }
+
+    pub(crate) fn upload<T: Element>(&self, data: &[T]) -> Result<Buffer<T>> {
+        if data.is_empty() {
+            return self.zeros(0);
+        }
+        let d = self
+            .inner
+            .stream
+            .clone_htod(data)
+            .map_err(cuda_err(format!("uploading {} x {}", data.len(), T::DTYPE)))?;
+        Ok(Buffer {
+            storage: Storage::Device(d, data.len()),
+        })
+    }
+
+    pub(crate) fn read<T: Element>(
+        &self,
+        buf: &Buffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<T>> {
+        let d = buf.device("read", "buf")?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let mut out = vec![T::default(); len];
+        self.inner
+            .stream
+            .memcpy_dtoh(&d.slice(offset..offset + len), &mut out)
+            .map_err(cuda_err("copying device to host"))?;
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    pub(crate) fn write<T: Element>(
+        &self,
+        buf: &mut Buffer<T>,
+        offset: usize,
+        data: &[T],
+    ) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let d = buf.device_mut("write", "buf")?;
+        let mut view = d.slice_mut(offset..offset + data.len());
+        self.inner
+            .stream
+            .memcpy_htod(data, &mut view)
+            .map_err(cuda_err("copying host to device"))?;
+        // The host slice may be freed when we return: wait for the copy.
+        self.synchronize()
+    }
+
+    pub(crate) fn copy<T: Element>(
+        &self,
+        src: &Buffer<T>,
+        src_offset: usize,
+        dst: &mut Buffer<T>,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let s = src.device("copy", "src")?;
+        let d = dst.device_mut("copy", "dst")?;
+        let sv = s.slice(src_offset..src_offset + len);
+        let mut dv = d.slice_mut(dst_offset..dst_offset + len);
+        self.inner
+            .stream
+            .memcpy_dtod(&sv, &mut dv)
+            .map_err(cuda_err("copying device to device"))
+    }
+}
