@@ -16,7 +16,23 @@ pub mod error;
 pub mod registry;
 pub mod rng;
 
+pub mod candidate_selector;
+pub mod chain_accept;
+pub mod context_kv_materialize;
+pub mod dynamic_grouped_conv;
+pub mod embedding_gather;
+pub mod feature_projection;
+pub mod gemm;
+pub mod head_norm_rope;
+pub mod proposal_argmax;
+pub mod residual_add;
+pub mod rms_norm;
 pub mod rng_uniform;
+pub mod sliding_window_attention;
+pub mod softmax_attention;
+pub mod swiglu;
+pub mod target_distribution;
+pub mod unary_topk;
 
 pub use backend::{Backend, Buffer};
 pub use dtype::{DType, Element, bf16_rne, f16_rne};
@@ -24,7 +40,43 @@ pub use error::{OpsError, Result, check_len, check_param};
 pub use half::{bf16, f16};
 
 /// Every op's registry id, in registry order.
-pub const OPS: &[&str] = &[rng_uniform::OP];
+pub const OPS: &[&str] = &[
+    rms_norm::OP,
+    head_norm_rope::OP,
+    feature_projection::OP,
+    context_kv_materialize::OP,
+    embedding_gather::OP,
+    gemm::OP,
+    swiglu::OP,
+    residual_add::OP,
+    sliding_window_attention::OP,
+    softmax_attention::OP,
+    dynamic_grouped_conv::OP,
+    proposal_argmax::OP,
+    unary_topk::OP,
+    candidate_selector::OP,
+    target_distribution::OP,
+    chain_accept::OP,
+    rng_uniform::OP,
+];
 
 /// The case collectors of every op, in registry order.
-pub(crate) const OP_CASES: &[fn() -> Vec<registry::Case>] = &[rng_uniform::cases];
+pub(crate) const OP_CASES: &[fn() -> Vec<registry::Case>] = &[
+    rms_norm::cases,
+    head_norm_rope::cases,
+    feature_projection::cases,
+    context_kv_materialize::cases,
+    embedding_gather::cases,
+    gemm::cases,
+    swiglu::cases,
+    residual_add::cases,
+    sliding_window_attention::cases,
+    softmax_attention::cases,
+    dynamic_grouped_conv::cases,
+    proposal_argmax::cases,
+    unary_topk::cases,
+    candidate_selector::cases,
+    target_distribution::cases,
+    chain_accept::cases,
+    rng_uniform::cases,
+];

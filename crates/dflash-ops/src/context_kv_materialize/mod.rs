@@ -1,0 +1,11 @@
+//! context_kv_materialize (placeholder: contract, reference, CUDA launcher and cases to be written).
+
+use crate::registry::Case;
+
+/// Registry id.
+pub const OP: &str = "context_kv_materialize";
+
+/// Conformance cases.
+pub(crate) fn cases() -> Vec<Case> {
+    Vec::new()
+}

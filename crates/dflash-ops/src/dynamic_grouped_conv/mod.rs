@@ -1,0 +1,11 @@
+//! dynamic_grouped_conv (placeholder: contract, reference, CUDA launcher and cases to be written).
+
+use crate::registry::Case;
+
+/// Registry id.
+pub const OP: &str = "dynamic_grouped_conv";
+
+/// Conformance cases.
+pub(crate) fn cases() -> Vec<Case> {
+    Vec::new()
+}

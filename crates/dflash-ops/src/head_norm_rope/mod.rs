@@ -1,0 +1,11 @@
+//! head_norm_rope (placeholder: contract, reference, CUDA launcher and cases to be written).
+
+use crate::registry::Case;
+
+/// Registry id.
+pub const OP: &str = "head_norm_rope";
+
+/// Conformance cases.
+pub(crate) fn cases() -> Vec<Case> {
+    Vec::new()
+}

@@ -1,0 +1,11 @@
+//! swiglu (placeholder: contract, reference, CUDA launcher and cases to be written).
+
+use crate::registry::Case;
+
+/// Registry id.
+pub const OP: &str = "swiglu";
+
+/// Conformance cases.
+pub(crate) fn cases() -> Vec<Case> {
+    Vec::new()
+}

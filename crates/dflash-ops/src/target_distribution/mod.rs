@@ -1,0 +1,11 @@
+//! target_distribution (placeholder: contract, reference, CUDA launcher and cases to be written).
+
+use crate::registry::Case;
+
+/// Registry id.
+pub const OP: &str = "target_distribution";
+
+/// Conformance cases.
+pub(crate) fn cases() -> Vec<Case> {
+    Vec::new()
+}
