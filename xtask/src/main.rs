@@ -1,17 +1,99 @@
-//! Project automation. Run `cargo xtask help`.
+//! Project automation: `cargo xtask <command>`.
+//!
+//! - `conformance [--out DIR]`: build the CUDA conformance runner (release, feature `cuda`)
+//!   and run every registry case on the GPU against the CPU reference; writes
+//!   `DIR/conformance.md` and `DIR/conformance.json` (default DIR: `docs`). Exit status: 0 all
+//!   cases pass, 1 a case failed, 3 no CUDA device or driver.
+//! - `conformance --bundle DIR`: build the same runner stripped and copy it, with a short
+//!   `RUN.md`, into DIR, to run on a GPU host that has no Rust toolchain.
 
-use std::process::ExitCode;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, Result, bail};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        None | Some("help") | Some("--help") => {
-            println!("cargo xtask <command>\n\ncommands:\n  help    this text");
-            ExitCode::SUCCESS
-        }
-        Some(other) => {
-            eprintln!("unknown xtask command `{other}` (try `cargo xtask help`)");
+    match run(&args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
             ExitCode::from(2)
         }
     }
+}
+
+const HELP: &str = "cargo xtask <command>
+
+commands:
+  conformance [--out DIR]     run every op's conformance cases on CUDA vs the CPU reference
+  conformance --bundle DIR    build a stripped runner into DIR for a GPU host without Rust
+  help                        this text";
+
+fn run(args: &[String]) -> Result<ExitCode> {
+    match args.first().map(String::as_str) {
+        None | Some("help") | Some("--help") => {
+            println!("{HELP}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Some("conformance") => conformance(&args[1..]),
+        Some(other) => bail!("unknown command `{other}`\n\n{HELP}"),
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+fn flag_value(args: &[String], flag: &str) -> Result<Option<String>> {
+    match args.iter().position(|a| a == flag) {
+        None => Ok(None),
+        Some(i) => match args.get(i + 1) {
+            Some(v) if !v.starts_with("--") => Ok(Some(v.clone())),
+            _ => bail!("{flag} needs a value"),
+        },
+    }
+}
+
+fn build_runner(root: &Path) -> Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(root)
+        .args(["build", "--release", "-p", "xtask", "--features", "cuda", "--bin", "dflash-conformance"])
+        .status()
+        .context("running cargo build for the conformance runner")?;
+    if !status.success() {
+        bail!("building dflash-conformance failed ({status})");
+    }
+    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root.join("target"));
+    Ok(target.join("release").join("dflash-conformance"))
+}
+
+fn conformance(args: &[String]) -> Result<ExitCode> {
+    for a in args.iter().filter(|a| a.starts_with("--")) {
+        if a != "--bundle" && a != "--out" {
+            bail!("unknown option `{a}` for conformance");
+        }
+    }
+    let root = workspace_root();
+    let runner = build_runner(&root)?;
+    if let Some(dir) = flag_value(args, "--bundle")? {
+        let dir = PathBuf::from(dir);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let dest = dir.join("dflash-conformance");
+        std::fs::copy(&runner, &dest).with_context(|| format!("copying the runner to {}", dest.display()))?;
+        std::fs::write(
+            dir.join("RUN.md"),
+            "Run on a GPU host (CUDA driver, NVRTC and cuBLAS present; no Rust needed):\n\n    \
+             ./dflash-conformance --out OUTDIR\n\nExit status: 0 all pass, 1 a case failed, 3 no CUDA device.\n",
+        )?;
+        println!("bundled {}", dest.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let out = flag_value(args, "--out")?.unwrap_or_else(|| root.join("docs").display().to_string());
+    let status = Command::new(&runner)
+        .args(["--out", &out])
+        .status()
+        .with_context(|| format!("running {}", runner.display()))?;
+    Ok(ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)))
 }

@@ -40,6 +40,19 @@ struct Inner {
     blas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
 }
 
+/// Identification of a CUDA device and its software stack.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    /// The device name (e.g. "NVIDIA H200").
+    pub name: String,
+    /// The NVRTC target (`sm_90`).
+    pub arch: String,
+    /// The CUDA version the driver supports (cuDriverGetVersion), "major.minor".
+    pub driver_cuda_version: String,
+    /// The NVRTC library version, "major.minor".
+    pub nvrtc_version: String,
+}
+
 /// A CUDA device with one stream on which every op is queued in order.
 #[derive(Clone)]
 pub struct CudaBackend {
@@ -198,6 +211,29 @@ impl CudaBackend {
         };
         m.load_function(name)
             .map_err(cuda_err(format!("loading function {name} of {module}")))
+    }
+
+    /// What the conformance report records about the device and its software.
+    pub fn device_info(&self) -> Result<DeviceInfo> {
+        let name = self.inner.ctx.name().map_err(cuda_err("reading the device name"))?;
+        let mut driver: std::ffi::c_int = 0;
+        // SAFETY: cuDriverGetVersion writes one int through a valid pointer.
+        let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(OpsError::Cuda { context: "cuDriverGetVersion".into(), message: format!("{status:?}") });
+        }
+        let (mut nvrtc_major, mut nvrtc_minor): (std::ffi::c_int, std::ffi::c_int) = (0, 0);
+        // SAFETY: nvrtcVersion writes two ints through valid pointers.
+        let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nvrtc_major, &mut nvrtc_minor) };
+        if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(OpsError::Cuda { context: "nvrtcVersion".into(), message: format!("{status:?}") });
+        }
+        Ok(DeviceInfo {
+            name,
+            arch: self.inner.arch.clone(),
+            driver_cuda_version: format!("{}.{}", driver / 1000, (driver % 1000) / 10),
+            nvrtc_version: format!("{nvrtc_major}.{nvrtc_minor}"),
+        })
     }
 
     /// Wait for the stream.

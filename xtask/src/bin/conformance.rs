@@ -1,0 +1,176 @@
+//! The CUDA conformance runner: every registry case on the GPU against the CPU reference.
+//!
+//! `dflash-conformance [--out DIR] [--only SUBSTRING]`: prints a table, writes
+//! `DIR/conformance.md` and `DIR/conformance.json`. Exit status 0 when every case passes,
+//! 1 when one fails, 3 when there is no usable CUDA device (driver missing, no GPU).
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use dflash_ops::Backend;
+use dflash_ops::cuda::CudaBackend;
+use dflash_ops::registry::{self, Comparison};
+
+struct Row {
+    cmp: Comparison,
+    cpu_ms: f64,
+    gpu_ms: f64,
+    error: Option<String>,
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("dflash-conformance: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Days since 1970-01-01 to (year, month, day) (Howard Hinnant's civil_from_days).
+fn civil(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let (y, m, d) = civil(secs.div_euclid(86_400));
+    let s = secs.rem_euclid(86_400);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC", s / 3600, s / 60 % 60, s % 60)
+}
+
+fn run() -> Result<ExitCode> {
+    let args: Vec<String> = std::env::args().collect();
+    let out_dir = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    let cuda = match CudaBackend::new(0) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("dflash-conformance: no usable CUDA device: {e}");
+            return Ok(ExitCode::from(3));
+        }
+    };
+    let info = cuda.device_info().context("reading device info")?;
+    let gpu = Backend::Cuda(cuda);
+    let cpu = Backend::cpu();
+    let mut rows: Vec<Row> = Vec::new();
+    for case in registry::cases() {
+        if let Some(o) = &only {
+            if !format!("{}/{}", case.op, case.name).contains(o.as_str()) {
+                continue;
+            }
+        }
+        let t0 = Instant::now();
+        let reference = (case.run)(&cpu);
+        let cpu_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let t1 = Instant::now();
+        let device = (case.run)(&gpu).and_then(|r| gpu.synchronize().map(|()| r));
+        let gpu_ms = t1.elapsed().as_secs_f64() * 1e3;
+        match (reference, device) {
+            (Ok(r), Ok(d)) => {
+                for cmp in registry::compare(&case, &r, &d) {
+                    rows.push(Row { cmp, cpu_ms, gpu_ms, error: None });
+                }
+            }
+            (r, d) => {
+                let error = Some(format!(
+                    "cpu: {}; cuda: {}",
+                    r.err().map_or("ok".into(), |e| e.to_string()),
+                    d.err().map_or("ok".into(), |e| e.to_string())
+                ));
+                rows.push(Row {
+                    cmp: Comparison {
+                        op: case.op,
+                        case: case.name.clone(),
+                        output: "<run>".into(),
+                        criterion: registry::Criterion::Exact,
+                        max_abs: f64::NAN,
+                        max_rel: f64::NAN,
+                        mismatches: 1,
+                        elements: 0,
+                        footprint_ok: false,
+                        inputs_unchanged: false,
+                        nondegenerate: false,
+                        pass: false,
+                    },
+                    cpu_ms,
+                    gpu_ms,
+                    error,
+                });
+            }
+        }
+        let last = rows.last().map(|r| r.cmp.pass).unwrap_or(false);
+        eprintln!("{:>5} {}/{} ({cpu_ms:.0} ms cpu, {gpu_ms:.1} ms cuda)", if last { "ok" } else { "FAIL" }, case.op, case.name);
+    }
+    let failed = rows.iter().filter(|r| !r.cmp.pass).count();
+    let command = args.join(" ");
+    let mut md = String::new();
+    md.push_str("# Conformance report: CUDA vs the CPU reference\n\n");
+    md.push_str(&format!(
+        "- date: {}\n- GPU: {} ({})\n- CUDA (driver): {}\n- NVRTC: {}\n- command: `{}`\n- result: {} rows, {} failed\n\n",
+        utc_now(),
+        info.name,
+        info.arch,
+        info.driver_cuda_version,
+        info.nvrtc_version,
+        command,
+        rows.len(),
+        failed
+    ));
+    md.push_str("Criteria: `exact` = bit-identical; `close(abs a, rel r, n bf16 ulp)` = |d - r| <= max(a + r*|ref|, n ulp_bf16(ref)). \
+Footprint = outputs were poisoned first, every contracted element was written and nothing else changed. \
+Inputs = every input downloaded after the run equals what was uploaded.\n\n");
+    md.push_str("| op | case | output | criterion | elements | max abs | max rel | footprint | inputs unchanged | pass |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    let mut json_rows = Vec::new();
+    for r in &rows {
+        let c = &r.cmp;
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {:.3e} | {:.3e} | {} | {} | {} |\n",
+            c.op,
+            c.case,
+            c.output,
+            c.criterion,
+            c.elements,
+            c.max_abs,
+            c.max_rel,
+            if c.footprint_ok { "ok" } else { "FAIL" },
+            if c.inputs_unchanged { "ok" } else { "FAIL" },
+            if c.pass { "pass" } else { "FAIL" }
+        ));
+        json_rows.push(serde_json::json!({
+            "op": c.op, "case": c.case, "output": c.output, "criterion": c.criterion.to_string(),
+            "elements": c.elements, "max_abs": c.max_abs, "max_rel": c.max_rel,
+            "mismatches": c.mismatches, "footprint_ok": c.footprint_ok,
+            "inputs_unchanged": c.inputs_unchanged, "nondegenerate": c.nondegenerate,
+            "pass": c.pass, "cpu_ms": r.cpu_ms, "gpu_ms": r.gpu_ms, "error": r.error,
+        }));
+    }
+    for r in rows.iter().filter(|r| r.error.is_some()) {
+        md.push_str(&format!("\n- error in {}/{}: {}\n", r.cmp.op, r.cmp.case, r.error.as_deref().unwrap_or("")));
+    }
+    println!("{md}");
+    if let Some(dir) = out_dir {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {dir}"))?;
+        std::fs::write(format!("{dir}/conformance.md"), &md)?;
+        let json = serde_json::json!({
+            "date": utc_now(), "gpu": info.name, "arch": info.arch,
+            "driver_cuda_version": info.driver_cuda_version, "nvrtc_version": info.nvrtc_version,
+            "command": command, "rows": json_rows,
+        });
+        std::fs::write(format!("{dir}/conformance.json"), serde_json::to_string_pretty(&json)?)?;
+    }
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
