@@ -1,0 +1,1333 @@
+//! The context store: pools, lanes, pages, frontiers, pending features and images.
+
+use std::collections::VecDeque;
+
+use dflash_ops::context_kv_materialize::{self, CacheLayout, MaterializeParams};
+use dflash_ops::feature_projection::{self, FeatureProjectionParams};
+use dflash_ops::{Backend, Buffer, OpsError, bf16, f16};
+
+use crate::image::ImageShape;
+use crate::{
+    Capacity, ContextError, ContextGeometry, ContextImage, ContextLayerKind, HostContextImage,
+    Result,
+};
+
+/// The value of a page-table entry that names no page.
+pub const NO_PAGE: i32 = -1;
+
+/// An opaque handle to one admitted request's context. It names a lane and a generation: a
+/// handle stays invalid after [`ContextStore::release`], even when its lane is reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ContextHandle {
+    lane: usize,
+    generation: u64,
+}
+
+impl ContextHandle {
+    /// The lane (ring row `lanes[r]` for the attention ops, page-table row of the store).
+    pub fn lane(&self) -> usize {
+        self.lane
+    }
+}
+
+/// The weights [`ContextStore::materialize`] needs, bound by the caller (the draft crate).
+#[derive(Debug, Clone)]
+pub struct MaterializeWeights<'a> {
+    /// `fc.weight`: `[H, n_ids * H]` BF16.
+    pub fc: &'a Buffer<bf16>,
+    /// `hidden_norm.weight` (the context norm): `[H]` BF16.
+    pub hidden_norm: &'a Buffer<bf16>,
+    /// Per draft layer, in order.
+    pub layers: Vec<LayerKvWeights<'a>>,
+}
+
+/// One draft layer's context K/V weights.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerKvWeights<'a> {
+    /// `layers.{i}.self_attn.k_proj.weight`: `[Hkv * D, H]` BF16.
+    pub w_k: &'a Buffer<bf16>,
+    /// `layers.{i}.self_attn.v_proj.weight`: `[Hkv * D, H]` BF16.
+    pub w_v: &'a Buffer<bf16>,
+    /// `layers.{i}.self_attn.k_norm.weight`: `[D]` BF16.
+    pub key_norm: &'a Buffer<bf16>,
+}
+
+/// One draft layer's pool, borrowed for the attention ops.
+#[derive(Debug, Clone, Copy)]
+pub enum LayerPool<'a> {
+    /// A local layer's rings: K `[lanes, S, Hkv, D]` BF16, V the same in FP16; a request's
+    /// lane is [`ContextHandle::lane`] (or [`BatchMetadata::lanes`]).
+    Ring {
+        /// K rings.
+        k: &'a Buffer<bf16>,
+        /// V rings.
+        v: &'a Buffer<f16>,
+        /// Lanes (concurrency B).
+        lanes: usize,
+        /// Ring capacity S (the window).
+        window: usize,
+    },
+    /// A full layer's pages: K `[pages, page_size, Hkv, D]` BF16, V the same in FP16; a
+    /// request's page-table row is in [`BatchMetadata::page_table`].
+    Paged {
+        /// K pages.
+        k: &'a Buffer<bf16>,
+        /// V pages.
+        v: &'a Buffer<f16>,
+        /// Pages in the pool.
+        pages: usize,
+        /// Tokens per page.
+        page_size: usize,
+        /// Page-table row width.
+        max_pages: usize,
+    },
+}
+
+impl LayerPool<'_> {
+    /// The layout in the ops' terms.
+    pub fn layout(&self) -> CacheLayout {
+        match *self {
+            LayerPool::Ring { lanes, window, .. } => CacheLayout::Ring {
+                lanes,
+                capacity: window,
+            },
+            LayerPool::Paged {
+                pages,
+                page_size,
+                max_pages,
+                ..
+            } => CacheLayout::Paged {
+                pages,
+                page_size,
+                max_pages,
+            },
+        }
+    }
+}
+
+/// Device metadata of a compact batch, rows in the order of the handles passed to
+/// [`ContextStore::batch_metadata`]. All I32.
+#[derive(Debug)]
+pub struct BatchMetadata {
+    /// Rows (requests) in the batch.
+    pub rows: usize,
+    /// `[rows]`: each row's lane (the ring row for local layers).
+    pub lanes: Buffer<i32>,
+    /// `[rows]`: each row's context frontier F_ctx, which is also the absolute position of its
+    /// block's anchor (`start_pos` of the attention ops).
+    pub frontiers: Buffer<i32>,
+    /// `[rows, max_pages]`: each row's page table (entries past its reservation are
+    /// [`NO_PAGE`]); `None` when the draft has no full layer.
+    pub page_table: Option<Buffer<i32>>,
+}
+
+/// A request's live interval of one layer, downloaded in position order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LiveWindow {
+    /// First live position: `max(0, F_ctx - S)` for a local layer, 0 for a full layer.
+    pub start: usize,
+    /// One past the last live position: F_ctx.
+    pub end: usize,
+    /// K of positions `start..end`, `[end - start, Hkv, D]`.
+    pub k: Vec<bf16>,
+    /// V of positions `start..end`, `[end - start, Hkv, D]`.
+    pub v: Vec<f16>,
+}
+
+/// Pending features of one push: positions `start..start + rows`.
+#[derive(Debug)]
+struct Pending {
+    start: usize,
+    rows: usize,
+    features: Buffer<bf16>,
+}
+
+#[derive(Debug)]
+struct Request {
+    generation: u64,
+    max_context: usize,
+    /// F_ctx: positions `[0, frontier)` are materialized.
+    frontier: usize,
+    /// Pending columns: positions `[frontier, frontier + pending_cols)` are queued.
+    pending_cols: usize,
+    pending: VecDeque<Pending>,
+    /// Reserved pages in page-table order (empty without full layers).
+    pages: Vec<i32>,
+    poisoned: bool,
+}
+
+#[derive(Debug)]
+enum Pool {
+    Ring {
+        window: usize,
+        k: Buffer<bf16>,
+        v: Buffer<f16>,
+    },
+    Paged {
+        k: Buffer<bf16>,
+        v: Buffer<f16>,
+    },
+}
+
+/// One contiguous run of elements between an image (or a host vector) and a pool.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    image: usize,
+    pool: usize,
+    len: usize,
+}
+
+/// Projected context vectors of one chunk, ready to be written.
+struct Chunk {
+    start: usize,
+    n: usize,
+    c: Buffer<bf16>,
+    start_buf: Buffer<i32>,
+    count_buf: Buffer<i32>,
+}
+
+/// Draft context storage on one [`Backend`]: per local layer a ring pool, per full layer a
+/// paged pool (only when the draft has full layers), lanes and pages with their free lists,
+/// and per admitted request its frontier, pending features and page table.
+///
+/// Every method validates everything before changing anything: an error other than
+/// [`ContextError::Ops`] leaves the store exactly as it was. A device failure in the middle of
+/// a multi-step update (materialize, restore) poisons that one request
+/// ([`ContextError::Poisoned`]); it can then only be released.
+#[derive(Debug)]
+pub struct ContextStore {
+    be: Backend,
+    geometry: ContextGeometry,
+    capacity: Capacity,
+    pools: Vec<Pool>,
+    /// `[lanes, max_pages]` on the device (full layers only).
+    page_table: Option<Buffer<i32>>,
+    /// Host mirror of `page_table` (empty without full layers).
+    host_table: Vec<i32>,
+    /// Free page ids (a stack; the next page taken is the last one).
+    free_pages: Vec<i32>,
+    lanes: Vec<Option<Request>>,
+    next_generation: u64,
+}
+
+fn wrong_backend(
+    tensor: &'static str,
+    expected: &'static str,
+    found: &'static str,
+) -> ContextError {
+    ContextError::Ops(OpsError::WrongBackend {
+        op: "dflash-context",
+        tensor,
+        expected,
+        found,
+    })
+}
+
+/// An i32 of a value the store has already bounded by `i32::MAX`.
+fn to_i32(x: usize) -> i32 {
+    i32::try_from(x).unwrap_or(i32::MAX)
+}
+
+impl ContextStore {
+    /// Allocate the pools for `geometry` and `capacity` on `be` (all bytes zero, all lanes and
+    /// pages free). See [`Capacity::pool_bytes`] for the sizes.
+    pub fn new(be: Backend, geometry: ContextGeometry, capacity: Capacity) -> Result<Self> {
+        geometry.validate()?;
+        capacity.validate(&geometry)?;
+        let kvw = geometry.kv_width();
+        let full = geometry.has_full_layers();
+        let mut pools = Vec::with_capacity(geometry.layers.len());
+        for l in &geometry.layers {
+            pools.push(match *l {
+                ContextLayerKind::Local { window } => {
+                    let len = capacity.lanes * window * kvw;
+                    Pool::Ring {
+                        window,
+                        k: be.zeros(len)?,
+                        v: be.zeros(len)?,
+                    }
+                }
+                ContextLayerKind::Full => {
+                    let len = capacity.pages * capacity.page_size * kvw;
+                    Pool::Paged {
+                        k: be.zeros(len)?,
+                        v: be.zeros(len)?,
+                    }
+                }
+            });
+        }
+        let (page_table, host_table, free_pages) = if full {
+            let host = vec![NO_PAGE; capacity.lanes * capacity.max_pages_per_lane];
+            let dev = be.upload(&host)?;
+            // Reversed so that pages are handed out in ascending order.
+            let free = (0..to_i32(capacity.pages)).rev().collect();
+            (Some(dev), host, free)
+        } else {
+            (None, Vec::new(), Vec::new())
+        };
+        Ok(ContextStore {
+            lanes: (0..capacity.lanes).map(|_| None).collect(),
+            be,
+            geometry,
+            capacity,
+            pools,
+            page_table,
+            host_table,
+            free_pages,
+            next_generation: 1,
+        })
+    }
+
+    /// The backend the pools live on.
+    pub fn backend(&self) -> &Backend {
+        &self.be
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> &ContextGeometry {
+        &self.geometry
+    }
+
+    /// The capacity.
+    pub fn capacity(&self) -> &Capacity {
+        &self.capacity
+    }
+
+    /// Lanes not holding a request.
+    pub fn free_lanes(&self) -> usize {
+        self.lanes.iter().filter(|l| l.is_none()).count()
+    }
+
+    /// Pages of the full-layer pool not reserved by a request (0 without full layers).
+    pub fn free_pages(&self) -> usize {
+        self.free_pages.len()
+    }
+
+    /// The handles of every admitted request, in lane order.
+    pub fn handles(&self) -> Vec<ContextHandle> {
+        self.lanes
+            .iter()
+            .enumerate()
+            .filter_map(|(lane, r)| {
+                r.as_ref().map(|r| ContextHandle {
+                    lane,
+                    generation: r.generation,
+                })
+            })
+            .collect()
+    }
+
+    /// The longest maximum context [`ContextStore::admit`] accepts.
+    pub fn context_limit(&self) -> usize {
+        self.capacity.context_limit(&self.geometry)
+    }
+
+    fn pages_for(&self, max_context: usize) -> usize {
+        if self.geometry.has_full_layers() {
+            max_context.div_ceil(self.capacity.page_size)
+        } else {
+            0
+        }
+    }
+
+    fn lookup(&self, h: ContextHandle) -> Result<&Request> {
+        match self.lanes.get(h.lane).and_then(|r| r.as_ref()) {
+            Some(r) if r.generation == h.generation => {
+                if r.poisoned {
+                    Err(ContextError::Poisoned)
+                } else {
+                    Ok(r)
+                }
+            }
+            _ => Err(ContextError::UnknownHandle {
+                lane: h.lane,
+                generation: h.generation,
+            }),
+        }
+    }
+
+    fn lookup_mut(&mut self, h: ContextHandle) -> Result<&mut Request> {
+        self.lookup(h)?;
+        match self.lanes.get_mut(h.lane).and_then(|r| r.as_mut()) {
+            Some(r) => Ok(r),
+            None => Err(ContextError::UnknownHandle {
+                lane: h.lane,
+                generation: h.generation,
+            }),
+        }
+    }
+
+    /// Checks of an admission that change nothing: the limit, a free lane, enough pages.
+    /// Returns the free lane and the page count.
+    fn admission(&self, max_context: usize) -> Result<(usize, usize)> {
+        let limit = self.context_limit();
+        if max_context > limit {
+            return Err(ContextError::ContextTooLong {
+                requested: max_context,
+                limit,
+            });
+        }
+        let lane = self
+            .lanes
+            .iter()
+            .position(|l| l.is_none())
+            .ok_or(ContextError::NoFreeLane {
+                lanes: self.capacity.lanes,
+            })?;
+        let needed = self.pages_for(max_context);
+        if needed > self.free_pages.len() {
+            return Err(ContextError::InsufficientPages {
+                needed,
+                free: self.free_pages.len(),
+            });
+        }
+        Ok((lane, needed))
+    }
+
+    /// Admit a request that may reach `max_context` context positions: takes a free lane and,
+    /// for drafts with full layers, reserves `ceil(max_context / page_size)` pages (written
+    /// into the lane's page-table row). The context starts empty (F_ctx = 0, nothing pending).
+    ///
+    /// Errors: [`ContextError::ContextTooLong`] past [`ContextStore::context_limit`],
+    /// [`ContextError::NoFreeLane`], [`ContextError::InsufficientPages`].
+    pub fn admit(&mut self, max_context: usize) -> Result<ContextHandle> {
+        let (lane, needed) = self.admission(max_context)?;
+        let pages: Vec<i32> = self.free_pages[self.free_pages.len() - needed..]
+            .iter()
+            .rev()
+            .copied()
+            .collect();
+        if let Some(table) = &mut self.page_table {
+            let w = self.capacity.max_pages_per_lane;
+            let mut row = vec![NO_PAGE; w];
+            row[..needed].copy_from_slice(&pages);
+            self.be.write(table, lane * w, &row)?;
+            self.host_table[lane * w..(lane + 1) * w].copy_from_slice(&row);
+        }
+        let new_len = self.free_pages.len() - needed;
+        self.free_pages.truncate(new_len);
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        self.lanes[lane] = Some(Request {
+            generation,
+            max_context,
+            frontier: 0,
+            pending_cols: 0,
+            pending: VecDeque::new(),
+            pages,
+            poisoned: false,
+        });
+        Ok(ContextHandle { lane, generation })
+    }
+
+    /// Release a request: its lane, its pages and its pending features return to the store;
+    /// the handle becomes invalid. Works on a poisoned request too.
+    pub fn release(&mut self, h: ContextHandle) -> Result<()> {
+        match self.lanes.get(h.lane).and_then(|r| r.as_ref()) {
+            Some(r) if r.generation == h.generation => {}
+            _ => {
+                return Err(ContextError::UnknownHandle {
+                    lane: h.lane,
+                    generation: h.generation,
+                });
+            }
+        }
+        if let Some(table) = &mut self.page_table {
+            let w = self.capacity.max_pages_per_lane;
+            self.be.write(table, h.lane * w, &vec![NO_PAGE; w])?;
+            self.host_table[h.lane * w..(h.lane + 1) * w].fill(NO_PAGE);
+        }
+        if let Some(r) = self.lanes[h.lane].take() {
+            // Pages go back so that the next admission takes them in the same order.
+            self.free_pages.extend(r.pages.iter().rev());
+        }
+        Ok(())
+    }
+
+    /// The request's context frontier F_ctx: positions `[0, F_ctx)` are materialized.
+    pub fn frontier(&self, h: ContextHandle) -> Result<usize> {
+        Ok(self.lookup(h)?.frontier)
+    }
+
+    /// Pending feature columns (positions `[F_ctx, F_ctx + pending)`).
+    pub fn pending(&self, h: ContextHandle) -> Result<usize> {
+        Ok(self.lookup(h)?.pending_cols)
+    }
+
+    /// `F_ctx + pending`: the target frontier the request's storage agrees with.
+    pub fn pending_target_frontier(&self, h: ContextHandle) -> Result<usize> {
+        let r = self.lookup(h)?;
+        Ok(r.frontier + r.pending_cols)
+    }
+
+    /// The pushes still pending, as `(start position, columns)` in order.
+    pub fn pending_ranges(&self, h: ContextHandle) -> Result<Vec<(usize, usize)>> {
+        Ok(self
+            .lookup(h)?
+            .pending
+            .iter()
+            .map(|p| (p.start, p.rows))
+            .collect())
+    }
+
+    /// The request's declared maximum context.
+    pub fn max_context(&self, h: ContextHandle) -> Result<usize> {
+        Ok(self.lookup(h)?.max_context)
+    }
+
+    /// The request's reserved pages in page-table order (empty without full layers).
+    pub fn pages(&self, h: ContextHandle) -> Result<&[i32]> {
+        Ok(&self.lookup(h)?.pages)
+    }
+
+    /// Check that the request's storage (materialized plus pending) agrees with a target
+    /// state at `target_frontier`: `F_ctx + pending == target_frontier`, else
+    /// [`ContextError::CoverageMismatch`].
+    pub fn check_coverage(&self, h: ContextHandle, target_frontier: usize) -> Result<()> {
+        let r = self.lookup(h)?;
+        let context = r.frontier + r.pending_cols;
+        if context != target_frontier {
+            return Err(ContextError::CoverageMismatch {
+                context,
+                target: target_frontier,
+            });
+        }
+        Ok(())
+    }
+
+    /// Validate a push of `n` rows from a feature buffer of `len` elements on `backend`.
+    fn check_push(
+        &self,
+        h: ContextHandle,
+        start_pos: usize,
+        len: usize,
+        backend: &'static str,
+        n: usize,
+    ) -> Result<()> {
+        let r = self.lookup(h)?;
+        let fw = self.geometry.feature_width();
+        if !len.is_multiple_of(fw) || len / fw < n {
+            return Err(ContextError::FeatureShape {
+                width: fw,
+                len,
+                rows: n,
+            });
+        }
+        if backend != self.be.name() {
+            return Err(wrong_backend("features", self.be.name(), backend));
+        }
+        let expected = r.frontier + r.pending_cols;
+        if start_pos != expected {
+            return Err(ContextError::OutOfOrder {
+                expected,
+                found: start_pos,
+            });
+        }
+        let end = start_pos.saturating_add(n);
+        if end > r.max_context {
+            return Err(ContextError::ContextOverflow {
+                end,
+                max_context: r.max_context,
+            });
+        }
+        Ok(())
+    }
+
+    /// Queue the first `n` rows of `features` (`[rows >= n, n_ids * H]` BF16, captured target
+    /// features of positions `start_pos..start_pos + n`) as pending context work; the store
+    /// keeps a device copy, so `features` may be reused at once. This is what the engine calls
+    /// after committing N rows. `n = 0` changes nothing (after the same checks).
+    ///
+    /// Errors: [`ContextError::FeatureShape`], [`ContextError::OutOfOrder`] unless
+    /// `start_pos == F_ctx + pending` (no gap, no overlap), [`ContextError::ContextOverflow`]
+    /// past the declared maximum context, a wrong-backend [`ContextError::Ops`].
+    pub fn push_pending(
+        &mut self,
+        h: ContextHandle,
+        start_pos: usize,
+        features: &Buffer<bf16>,
+        n: usize,
+    ) -> Result<()> {
+        self.check_push(h, start_pos, features.len(), features.backend_name(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let len = n * self.geometry.feature_width();
+        let mut copy = self.be.zeros(len)?;
+        self.be.copy(features, 0, &mut copy, 0, len)?;
+        self.enqueue(h, start_pos, n, copy)
+    }
+
+    /// Queue every row of `features` (`[n, n_ids * H]` BF16, positions
+    /// `start_pos..start_pos + n`) as pending context work, taking the buffer without a copy
+    /// (a prefill chunk). Same checks as [`ContextStore::push_pending`].
+    pub fn push_pending_owned(
+        &mut self,
+        h: ContextHandle,
+        start_pos: usize,
+        features: Buffer<bf16>,
+    ) -> Result<()> {
+        let fw = self.geometry.feature_width();
+        let n = features.len() / fw;
+        self.check_push(h, start_pos, features.len(), features.backend_name(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.enqueue(h, start_pos, n, features)
+    }
+
+    fn enqueue(
+        &mut self,
+        h: ContextHandle,
+        start: usize,
+        rows: usize,
+        features: Buffer<bf16>,
+    ) -> Result<()> {
+        let r = self.lookup_mut(h)?;
+        r.pending.push_back(Pending {
+            start,
+            rows,
+            features,
+        });
+        r.pending_cols += rows;
+        Ok(())
+    }
+
+    fn check_weights(&self, w: &MaterializeWeights<'_>) -> Result<()> {
+        let g = &self.geometry;
+        let name = self.be.name();
+        let check = |n: String, buf: &Buffer<bf16>, expected: usize, shape: String| {
+            if buf.len() != expected {
+                return Err(ContextError::Weight {
+                    name: n,
+                    problem: format!(
+                        "expected {expected} elements ({shape}), found {}",
+                        buf.len()
+                    ),
+                });
+            }
+            if buf.backend_name() != name {
+                return Err(ContextError::Weight {
+                    name: n,
+                    problem: format!(
+                        "lives on the {} backend, the store on {name}",
+                        buf.backend_name()
+                    ),
+                });
+            }
+            Ok(())
+        };
+        let (h, fw, kvw, d) = (g.hidden, g.feature_width(), g.kv_width(), g.head_dim);
+        check("fc".into(), w.fc, h * fw, format!("[H={h}, n_ids*H={fw}]"))?;
+        check("hidden_norm".into(), w.hidden_norm, h, format!("[H={h}]"))?;
+        if w.layers.len() != g.layers.len() {
+            return Err(ContextError::Weight {
+                name: "layers".into(),
+                problem: format!(
+                    "expected {} layers, found {}",
+                    g.layers.len(),
+                    w.layers.len()
+                ),
+            });
+        }
+        for (i, l) in w.layers.iter().enumerate() {
+            let shape = format!("[Hkv*D={kvw}, H={h}]");
+            check(format!("layers[{i}].w_k"), l.w_k, kvw * h, shape.clone())?;
+            check(format!("layers[{i}].w_v"), l.w_v, kvw * h, shape)?;
+            check(
+                format!("layers[{i}].key_norm"),
+                l.key_norm,
+                d,
+                format!("[D={d}]"),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn f32_scratch(&self, len: usize) -> Result<Buffer<f32>> {
+        // The CPU paths never touch their scratch and accept any length.
+        Ok(self.be.zeros(if self.be.is_cpu() { 0 } else { len })?)
+    }
+
+    /// Materialize the request's pending features: feature projection, then per layer the
+    /// context K/V materialize, in chunks of at most [`Capacity::chunk_cols`] columns, in
+    /// position order; then F_ctx advances to `F_ctx + pending` and the queue empties.
+    ///
+    /// Columns that no layer keeps are skipped: without full layers, only the final
+    /// `max window` positions of the queue are projected (a prefill longer than the ring
+    /// stores only its final window, yet the frontier advances by the whole chunk); with full
+    /// layers every column is projected and every column reaches the pages, while each ring
+    /// keeps its final window. Nothing pending: nothing happens.
+    ///
+    /// Transactional: all projections (and their scratch) are made before the first cache
+    /// write, so an error there leaves the store unchanged; a device failure during the cache
+    /// writes poisons the request. Scratch: `columns * H` BF16 for the projected vectors.
+    ///
+    /// Errors: [`ContextError::Weight`] for a weight of the wrong length or backend; device
+    /// errors as [`ContextError::Ops`].
+    pub fn materialize(&mut self, h: ContextHandle, w: &MaterializeWeights<'_>) -> Result<()> {
+        let r = self.lookup(h)?;
+        self.check_weights(w)?;
+        if r.pending_cols == 0 {
+            return Ok(());
+        }
+        let g = &self.geometry;
+        let (fw, hidden) = (g.feature_width(), g.hidden);
+        let target = r.frontier + r.pending_cols;
+        let need_from = if g.has_full_layers() {
+            r.frontier
+        } else {
+            target
+                .saturating_sub(g.max_window().unwrap_or(0))
+                .max(r.frontier)
+        };
+
+        // Phase 1: project every needed chunk (no cache write yet).
+        let max_chunk = self.capacity.chunk_cols;
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (entry, offset, n)
+        for (e, p) in r.pending.iter().enumerate() {
+            let from = need_from.max(p.start);
+            let end = p.start + p.rows;
+            let mut at = from;
+            while at < end {
+                let n = (end - at).min(max_chunk);
+                plan.push((e, at - p.start, n));
+                at += n;
+            }
+        }
+        let widest = plan.iter().map(|c| c.2).max().unwrap_or(0);
+        let mut fp_scratch = self.f32_scratch(widest * hidden)?;
+        let mut chunks = Vec::with_capacity(plan.len());
+        for &(e, offset, n) in &plan {
+            let entry = &r.pending[e];
+            let params = FeatureProjectionParams {
+                tokens: n,
+                n_ids: g.n_ids,
+                hidden,
+                eps: g.eps,
+            };
+            let mut c = self.be.zeros(n * hidden)?;
+            if offset == 0 && n == entry.rows {
+                feature_projection::run_with_scratch(
+                    &self.be,
+                    &entry.features,
+                    w.fc,
+                    w.hidden_norm,
+                    &mut c,
+                    &mut fp_scratch,
+                    &params,
+                )?;
+            } else {
+                let mut s = self.be.zeros(n * fw)?;
+                self.be
+                    .copy(&entry.features, offset * fw, &mut s, 0, n * fw)?;
+                feature_projection::run_with_scratch(
+                    &self.be,
+                    &s,
+                    w.fc,
+                    w.hidden_norm,
+                    &mut c,
+                    &mut fp_scratch,
+                    &params,
+                )?;
+            }
+            let start = entry.start + offset;
+            chunks.push(Chunk {
+                start,
+                n,
+                c,
+                start_buf: self.be.upload(&[to_i32(start)])?,
+                count_buf: self.be.upload(&[to_i32(n)])?,
+            });
+        }
+        let lane_buf = self.be.upload(&[to_i32(h.lane)])?;
+        let table_row = match self.page_table {
+            Some(_) => {
+                let wdt = self.capacity.max_pages_per_lane;
+                Some(
+                    self.be
+                        .upload(&self.host_table[h.lane * wdt..(h.lane + 1) * wdt])?,
+                )
+            }
+            None => None,
+        };
+        let params = MaterializeParams {
+            rows: 1,
+            cols: widest,
+            hidden,
+            kv_heads: g.kv_heads,
+            head_dim: g.head_dim,
+            eps: g.eps,
+            theta: g.theta,
+            layout: CacheLayout::Ring {
+                lanes: 1,
+                capacity: 1,
+            },
+        };
+        let mut kv_scratch = self.f32_scratch(context_kv_materialize::scratch_len(&params)?)?;
+
+        // Phase 2: write the caches, chunk by chunk in position order, layer by layer.
+        let lanes = self.capacity.lanes;
+        let (pages, page_size, max_pages) = (
+            self.capacity.pages,
+            self.capacity.page_size,
+            self.capacity.max_pages_per_lane,
+        );
+        let mut wrote = false;
+        let mut outcome = Ok(());
+        'write: for chunk in &chunks {
+            for (l, pool) in self.pools.iter_mut().enumerate() {
+                let (layout, slots, k, v) = match pool {
+                    Pool::Ring { window, k, v } => {
+                        // A ring keeps only positions >= target - S; earlier chunks would be
+                        // overwritten before anyone could read them.
+                        if chunk.start + chunk.n + *window <= target {
+                            continue;
+                        }
+                        (
+                            CacheLayout::Ring {
+                                lanes,
+                                capacity: *window,
+                            },
+                            &lane_buf,
+                            k,
+                            v,
+                        )
+                    }
+                    Pool::Paged { k, v } => match &table_row {
+                        Some(t) => (
+                            CacheLayout::Paged {
+                                pages,
+                                page_size,
+                                max_pages,
+                            },
+                            t,
+                            k,
+                            v,
+                        ),
+                        None => continue,
+                    },
+                };
+                let p = MaterializeParams {
+                    cols: chunk.n,
+                    layout,
+                    ..params
+                };
+                let lw = &w.layers[l];
+                let res = context_kv_materialize::run_with_scratch(
+                    &self.be,
+                    &chunk.c,
+                    lw.w_k,
+                    lw.w_v,
+                    lw.key_norm,
+                    &chunk.start_buf,
+                    &chunk.count_buf,
+                    slots,
+                    k,
+                    v,
+                    &mut kv_scratch,
+                    &p,
+                );
+                if let Err(e) = res {
+                    outcome = Err(ContextError::Ops(e));
+                    break 'write;
+                }
+                wrote = true;
+            }
+        }
+        let r = self.lookup_mut(h)?;
+        match outcome {
+            Ok(()) => {
+                r.frontier = target;
+                r.pending_cols = 0;
+                r.pending.clear();
+                Ok(())
+            }
+            Err(e) => {
+                if wrote {
+                    r.poisoned = true;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The segments of layer `l` of request `r` in image order (see [`crate::image`]).
+    fn segments(&self, lane: usize, r: &Request, l: usize, frontier: usize) -> Vec<Segment> {
+        let kvw = self.geometry.kv_width();
+        match &self.pools[l] {
+            Pool::Ring { window, .. } => {
+                let live = frontier.min(*window);
+                if live == 0 {
+                    return Vec::new();
+                }
+                vec![Segment {
+                    image: 0,
+                    pool: lane * window * kvw,
+                    len: live * kvw,
+                }]
+            }
+            Pool::Paged { .. } => {
+                let ps = self.capacity.page_size;
+                let mut out = Vec::new();
+                let mut pos = 0;
+                while pos < frontier {
+                    let j = pos / ps;
+                    let n = (frontier - pos).min(ps);
+                    let page = usize::try_from(r.pages[j]).unwrap_or(0);
+                    out.push(Segment {
+                        image: pos * kvw,
+                        pool: page * ps * kvw,
+                        len: n * kvw,
+                    });
+                    pos += n;
+                }
+                out
+            }
+        }
+    }
+
+    fn require_no_pending(r: &Request) -> Result<()> {
+        if r.pending_cols > 0 {
+            return Err(ContextError::PendingFeatures {
+                pending: r.pending_cols,
+            });
+        }
+        Ok(())
+    }
+
+    /// A device copy of the request's materialized context (a checkpoint) carrying its
+    /// coverage F_ctx. The payload is exactly the live bytes ([`crate::image`]).
+    ///
+    /// Errors: [`ContextError::PendingFeatures`] when features are pending (the caller
+    /// materializes first, then retries); the store is unchanged either way.
+    pub fn checkpoint(&self, h: ContextHandle) -> Result<ContextImage> {
+        let r = self.lookup(h)?;
+        Self::require_no_pending(r)?;
+        let shape = ImageShape::of(&self.geometry);
+        let mut layers = Vec::with_capacity(self.pools.len());
+        for (l, pool) in self.pools.iter().enumerate() {
+            let len = shape.layer_len(l, r.frontier);
+            let mut k = self.be.zeros::<bf16>(len)?;
+            let mut v = self.be.zeros::<f16>(len)?;
+            let (pk, pv) = match pool {
+                Pool::Ring { k, v, .. } | Pool::Paged { k, v } => (k, v),
+            };
+            for s in self.segments(h.lane, r, l, r.frontier) {
+                self.be.copy(pk, s.pool, &mut k, s.image, s.len)?;
+                self.be.copy(pv, s.pool, &mut v, s.image, s.len)?;
+            }
+            layers.push((k, v));
+        }
+        Ok(ContextImage {
+            shape,
+            frontier: r.frontier,
+            backend: self.be.name(),
+            layers,
+        })
+    }
+
+    /// A host copy of the request's materialized context (a Host replica) carrying its
+    /// coverage F_ctx. Errors as [`ContextStore::checkpoint`].
+    pub fn host_replica(&self, h: ContextHandle) -> Result<HostContextImage> {
+        let r = self.lookup(h)?;
+        Self::require_no_pending(r)?;
+        let shape = ImageShape::of(&self.geometry);
+        let mut layers = Vec::with_capacity(self.pools.len());
+        for (l, pool) in self.pools.iter().enumerate() {
+            let len = shape.layer_len(l, r.frontier);
+            let mut k = Vec::with_capacity(len);
+            let mut v = Vec::with_capacity(len);
+            let (pk, pv) = match pool {
+                Pool::Ring { k, v, .. } | Pool::Paged { k, v } => (k, v),
+            };
+            for s in self.segments(h.lane, r, l, r.frontier) {
+                k.extend(self.be.read(pk, s.pool, s.len)?);
+                v.extend(self.be.read(pv, s.pool, s.len)?);
+            }
+            layers.push((k, v));
+        }
+        Ok(HostContextImage {
+            shape,
+            frontier: r.frontier,
+            layers,
+        })
+    }
+
+    /// Fork the request into a fresh lane on the device: the new request has the same
+    /// declared maximum context (and reserves its own pages), the same F_ctx and a copy of
+    /// every live byte; nothing pending. The source is unchanged.
+    ///
+    /// Errors: [`ContextError::PendingFeatures`] (materialize first),
+    /// [`ContextError::NoFreeLane`], [`ContextError::InsufficientPages`]; the store is
+    /// unchanged on any of them.
+    pub fn fork(&mut self, h: ContextHandle) -> Result<ContextHandle> {
+        let r = self.lookup(h)?;
+        Self::require_no_pending(r)?;
+        let (max_context, frontier) = (r.max_context, r.frontier);
+        self.admission(max_context)?;
+        // The pools are single buffers; copy through an image (two device copies).
+        let image = self.checkpoint(h)?;
+        self.admit_restored(max_context, &image, frontier)
+    }
+
+    fn check_restore(
+        &self,
+        shape: &ImageShape,
+        frontier: usize,
+        target_frontier: usize,
+        max_context: usize,
+    ) -> Result<()> {
+        if let Some(what) = shape.difference(&ImageShape::of(&self.geometry)) {
+            return Err(ContextError::ImageMismatch { what });
+        }
+        if frontier != target_frontier {
+            return Err(ContextError::CoverageMismatch {
+                context: frontier,
+                target: target_frontier,
+            });
+        }
+        if frontier > max_context {
+            return Err(ContextError::ImageTooLong {
+                frontier,
+                max_context,
+            });
+        }
+        Ok(())
+    }
+
+    /// Write an already validated image into request `h` (lane, pages); F_ctx becomes the
+    /// image's frontier. A device failure after the first write poisons the request.
+    fn write_image<F>(&mut self, h: ContextHandle, frontier: usize, mut put: F) -> Result<()>
+    where
+        F: FnMut(&Backend, usize, Segment, &mut Buffer<bf16>, &mut Buffer<f16>) -> Result<()>,
+    {
+        let r = self.lookup(h)?;
+        let segments: Vec<Vec<Segment>> = (0..self.pools.len())
+            .map(|l| self.segments(h.lane, r, l, frontier))
+            .collect();
+        let mut wrote = false;
+        let mut outcome = Ok(());
+        'write: for (l, pool) in self.pools.iter_mut().enumerate() {
+            let (pk, pv) = match pool {
+                Pool::Ring { k, v, .. } | Pool::Paged { k, v } => (k, v),
+            };
+            for &s in &segments[l] {
+                if let Err(e) = put(&self.be, l, s, pk, pv) {
+                    outcome = Err(e);
+                    break 'write;
+                }
+                wrote = true;
+            }
+        }
+        let r = self.lookup_mut(h)?;
+        match outcome {
+            Ok(()) => {
+                r.frontier = frontier;
+                Ok(())
+            }
+            Err(e) => {
+                if wrote {
+                    r.poisoned = true;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn device_put(
+        image: &ContextImage,
+    ) -> impl FnMut(&Backend, usize, Segment, &mut Buffer<bf16>, &mut Buffer<f16>) -> Result<()> + '_
+    {
+        move |be, l, s, pk, pv| {
+            let (k, v) = &image.layers[l];
+            be.copy(k, s.image, pk, s.pool, s.len)?;
+            be.copy(v, s.image, pv, s.pool, s.len)?;
+            Ok(())
+        }
+    }
+
+    fn host_put(
+        image: &HostContextImage,
+    ) -> impl FnMut(&Backend, usize, Segment, &mut Buffer<bf16>, &mut Buffer<f16>) -> Result<()> + '_
+    {
+        move |be, l, s, pk, pv| {
+            let (k, v) = &image.layers[l];
+            be.write(pk, s.pool, &k[s.image..s.image + s.len])?;
+            be.write(pv, s.pool, &v[s.image..s.image + s.len])?;
+            Ok(())
+        }
+    }
+
+    fn check_image_backend(&self, image: &ContextImage) -> Result<()> {
+        if image.backend != self.be.name() {
+            return Err(wrong_backend("image", self.be.name(), image.backend));
+        }
+        Ok(())
+    }
+
+    /// Replace request `h`'s context with a device image, attached to a target state at
+    /// `target_frontier`. Afterwards F_ctx is the image's frontier and the live bytes are the
+    /// image's.
+    ///
+    /// Errors (store unchanged): [`ContextError::PendingFeatures`] when `h` has pending
+    /// features; [`ContextError::ImageMismatch`] for an image of another geometry (or
+    /// backend: [`ContextError::Ops`]); [`ContextError::CoverageMismatch`] unless the image's
+    /// frontier equals `target_frontier`; [`ContextError::ImageTooLong`] past `h`'s maximum
+    /// context.
+    pub fn restore(
+        &mut self,
+        h: ContextHandle,
+        image: &ContextImage,
+        target_frontier: usize,
+    ) -> Result<()> {
+        let r = self.lookup(h)?;
+        Self::require_no_pending(r)?;
+        self.check_image_backend(image)?;
+        self.check_restore(&image.shape, image.frontier, target_frontier, r.max_context)?;
+        self.write_image(h, image.frontier, Self::device_put(image))
+    }
+
+    /// [`ContextStore::restore`] from a host image.
+    pub fn restore_host(
+        &mut self,
+        h: ContextHandle,
+        image: &HostContextImage,
+        target_frontier: usize,
+    ) -> Result<()> {
+        let r = self.lookup(h)?;
+        Self::require_no_pending(r)?;
+        self.check_restore(&image.shape, image.frontier, target_frontier, r.max_context)?;
+        self.write_image(h, image.frontier, Self::host_put(image))
+    }
+
+    /// Admit a new request (as [`ContextStore::admit`]) holding a device image, attached to a
+    /// target state at `target_frontier`. Errors of both; on any error the store is unchanged
+    /// (a device failure while writing releases the new request).
+    pub fn admit_restored(
+        &mut self,
+        max_context: usize,
+        image: &ContextImage,
+        target_frontier: usize,
+    ) -> Result<ContextHandle> {
+        self.check_image_backend(image)?;
+        self.check_restore(&image.shape, image.frontier, target_frontier, max_context)?;
+        let h = self.admit(max_context)?;
+        match self.write_image(h, image.frontier, Self::device_put(image)) {
+            Ok(()) => Ok(h),
+            Err(e) => {
+                let _ = self.release(h);
+                Err(e)
+            }
+        }
+    }
+
+    /// [`ContextStore::admit_restored`] from a host image.
+    pub fn admit_restored_host(
+        &mut self,
+        max_context: usize,
+        image: &HostContextImage,
+        target_frontier: usize,
+    ) -> Result<ContextHandle> {
+        self.check_restore(&image.shape, image.frontier, target_frontier, max_context)?;
+        let h = self.admit(max_context)?;
+        match self.write_image(h, image.frontier, Self::host_put(image)) {
+            Ok(()) => Ok(h),
+            Err(e) => {
+                let _ = self.release(h);
+                Err(e)
+            }
+        }
+    }
+
+    /// Layer `l`'s pool, for the attention ops.
+    pub fn layer(&self, l: usize) -> Result<LayerPool<'_>> {
+        match self.pools.get(l) {
+            Some(Pool::Ring { window, k, v }) => Ok(LayerPool::Ring {
+                k,
+                v,
+                lanes: self.capacity.lanes,
+                window: *window,
+            }),
+            Some(Pool::Paged { k, v }) => Ok(LayerPool::Paged {
+                k,
+                v,
+                pages: self.capacity.pages,
+                page_size: self.capacity.page_size,
+                max_pages: self.capacity.max_pages_per_lane,
+            }),
+            None => Err(ContextError::Layer {
+                layer: l,
+                problem: format!("the draft has {} layers", self.pools.len()),
+            }),
+        }
+    }
+
+    /// The store's page table `[lanes, max_pages]` I32 on the device (row = lane; entries
+    /// past a request's reservation, and rows of free lanes, are [`NO_PAGE`]); `None` without
+    /// full layers.
+    pub fn page_table(&self) -> Option<&Buffer<i32>> {
+        self.page_table.as_ref()
+    }
+
+    /// Host values of the batch metadata for `handles` (checks included).
+    fn batch_values(&self, handles: &[ContextHandle]) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
+        let w = self.capacity.max_pages_per_lane;
+        let (mut lanes, mut frontiers, mut table) = (Vec::new(), Vec::new(), Vec::new());
+        for (row, &h) in handles.iter().enumerate() {
+            let r = self.lookup(h)?;
+            Self::require_no_pending(r)?;
+            if let Some(first) = handles[..row].iter().position(|o| o.lane == h.lane) {
+                return Err(ContextError::DuplicateHandle {
+                    lane: h.lane,
+                    first,
+                    second: row,
+                });
+            }
+            lanes.push(to_i32(h.lane));
+            frontiers.push(to_i32(r.frontier));
+            if self.page_table.is_some() {
+                table.extend_from_slice(&self.host_table[h.lane * w..(h.lane + 1) * w]);
+            }
+        }
+        Ok((lanes, frontiers, table))
+    }
+
+    /// Device metadata for a compact batch, rows in the order of `handles`: lanes, context
+    /// frontiers (the anchors' positions) and page-table rows. Every request must have
+    /// nothing pending (its context reaches its target frontier).
+    ///
+    /// Errors: [`ContextError::UnknownHandle`], [`ContextError::PendingFeatures`],
+    /// [`ContextError::DuplicateHandle`].
+    pub fn batch_metadata(&self, handles: &[ContextHandle]) -> Result<BatchMetadata> {
+        let (lanes, frontiers, table) = self.batch_values(handles)?;
+        Ok(BatchMetadata {
+            rows: handles.len(),
+            lanes: self.be.upload(&lanes)?,
+            frontiers: self.be.upload(&frontiers)?,
+            page_table: match self.page_table {
+                Some(_) => Some(self.be.upload(&table)?),
+                None => None,
+            },
+        })
+    }
+
+    /// Rewrite existing batch metadata buffers in place (for captured CUDA graphs, whose
+    /// buffers must stay the same). Errors as [`ContextStore::batch_metadata`], plus
+    /// [`ContextError::BatchRows`] when `meta` was made for another row count; `meta` is
+    /// unchanged on any check error.
+    pub fn write_batch_metadata(
+        &self,
+        handles: &[ContextHandle],
+        meta: &mut BatchMetadata,
+    ) -> Result<()> {
+        if meta.rows != handles.len() {
+            return Err(ContextError::BatchRows {
+                capacity: meta.rows,
+                rows: handles.len(),
+            });
+        }
+        let (lanes, frontiers, table) = self.batch_values(handles)?;
+        self.be.write(&mut meta.lanes, 0, &lanes)?;
+        self.be.write(&mut meta.frontiers, 0, &frontiers)?;
+        if let Some(t) = &mut meta.page_table {
+            self.be.write(t, 0, &table)?;
+        }
+        Ok(())
+    }
+
+    /// The live interval `[start, F_ctx)` of layer `l`, downloaded in position order
+    /// (`start = max(0, F_ctx - S)` for a local layer, 0 for a full layer). Pending features
+    /// are not part of it.
+    pub fn read_window(&self, h: ContextHandle, l: usize) -> Result<LiveWindow> {
+        let r = self.lookup(h)?;
+        let pool = self.layer(l)?;
+        let start = match pool {
+            LayerPool::Ring { window, .. } => r.frontier.saturating_sub(window),
+            LayerPool::Paged { .. } => 0,
+        };
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        self.read_positions(h.lane, r, l, start, r.frontier, &mut k, &mut v)?;
+        Ok(LiveWindow {
+            start,
+            end: r.frontier,
+            k,
+            v,
+        })
+    }
+
+    /// K and V (`[Hkv, D]` each) of one live position of layer `l`.
+    ///
+    /// Errors: [`ContextError::DeadPosition`] for a position outside the live interval
+    /// (dead ring bytes and unmaterialized positions are unreachable).
+    pub fn read_position(
+        &self,
+        h: ContextHandle,
+        l: usize,
+        position: usize,
+    ) -> Result<(Vec<bf16>, Vec<f16>)> {
+        let r = self.lookup(h)?;
+        let pool = self.layer(l)?;
+        let start = match pool {
+            LayerPool::Ring { window, .. } => r.frontier.saturating_sub(window),
+            LayerPool::Paged { .. } => 0,
+        };
+        if position < start || position >= r.frontier {
+            return Err(ContextError::DeadPosition {
+                layer: l,
+                position,
+                start,
+                end: r.frontier,
+            });
+        }
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        self.read_positions(h.lane, r, l, position, position + 1, &mut k, &mut v)?;
+        Ok((k, v))
+    }
+
+    /// Append K/V of live positions `from..to` of layer `l` in position order.
+    #[allow(clippy::too_many_arguments)] // reason: a private helper over the request's parts
+    fn read_positions(
+        &self,
+        lane: usize,
+        r: &Request,
+        l: usize,
+        from: usize,
+        to: usize,
+        k: &mut Vec<bf16>,
+        v: &mut Vec<f16>,
+    ) -> Result<()> {
+        let kvw = self.geometry.kv_width();
+        let mut read = |pk: &Buffer<bf16>, pv: &Buffer<f16>, at: usize, n: usize| -> Result<()> {
+            k.extend(self.be.read(pk, at * kvw, n * kvw)?);
+            v.extend(self.be.read(pv, at * kvw, n * kvw)?);
+            Ok(())
+        };
+        let mut pos = from;
+        match &self.pools[l] {
+            Pool::Ring {
+                window,
+                k: pk,
+                v: pv,
+            } => {
+                while pos < to {
+                    let slot = pos % window;
+                    let n = (to - pos).min(window - slot);
+                    read(pk, pv, lane * window + slot, n)?;
+                    pos += n;
+                }
+            }
+            Pool::Paged { k: pk, v: pv } => {
+                let ps = self.capacity.page_size;
+                while pos < to {
+                    let slot = pos % ps;
+                    let n = (to - pos).min(ps - slot);
+                    let page = usize::try_from(r.pages[pos / ps]).unwrap_or(0);
+                    read(pk, pv, page * ps + slot, n)?;
+                    pos += n;
+                }
+            }
+        }
+        Ok(())
+    }
+}
