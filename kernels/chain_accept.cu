@@ -1,0 +1,178 @@
+// chain_accept: greedy and stochastic chain verification
+// (contract: crates/dflash-ops/src/chain_accept/mod.rs).
+//
+// One block of CA_THREADS threads per row. Every f64 operation of a decision is an _rn
+// intrinsic in the order the contract fixes, so the CPU reference decides bit-identically.
+
+#define CA_THREADS 1024
+#define CA_TILE 1024
+#define CA_MAX_TILES 1024
+#define CA_TOP 16
+#define CA_PURPOSE_ACCEPT 2u
+#define CA_PURPOSE_CORRECTION 3u
+#define CA_PURPOSE_BONUS 4u
+
+// Draw weight of id v: mode 0 = p(v) (bonus / fallback), 1 = max(p - onehot_x, 0),
+// 2 = max(p - q_top16, 0) with q of the first slot holding v.
+__device__ __forceinline__ double ca_weight(const float* prow, int v, int vocab, int mode, int x,
+                                            const int* s_ids, const float* s_q) {
+    if (v >= vocab) return 0.0;
+    const double pv = (double)prow[v];
+    if (mode == 0) return pv;
+    double qv = 0.0;
+    if (mode == 1) {
+        qv = (v == x) ? 1.0 : 0.0;
+    } else {
+        for (int s = 0; s < CA_TOP; ++s) {
+            if (s_ids[s] == v) { qv = (double)s_q[s]; break; }
+        }
+    }
+    return fmax(__dsub_rn(pv, qv), 0.0);
+}
+
+struct CaShared {
+    double tile_sum[CA_MAX_TILES];
+    double tile_w[CA_TILE];
+    int ids[CA_TOP];
+    float q[CA_TOP];
+    double c;
+    double target;
+    int jstar;
+    int tok;
+    int accepted;
+    int rejected;
+    int x;
+};
+
+// Blocked inverse-CDF draw (contract item 3). Returns -1 when there is no positive total or
+// no tile is chosen. Must be called by every thread of the block.
+__device__ int ca_draw(CaShared& sh, const float* prow, int vocab, int mode, int x, float u) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const int tiles = (vocab + CA_TILE - 1) / CA_TILE;
+    for (int j = warp; j < tiles; j += nwarps) {
+        double a = 0.0;
+        for (int k = 0; k < 32; ++k) {
+            a = __dadd_rn(a, ca_weight(prow, j * CA_TILE + k * 32 + lane, vocab, mode, x, sh.ids, sh.q));
+        }
+        for (int off = 16; off > 0; off >>= 1) a = __dadd_rn(a, __shfl_down_sync(0xffffffffu, a, off));
+        if (lane == 0) sh.tile_sum[j] = a;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        double total = 0.0;
+        for (int j = 0; j < tiles; ++j) total = __dadd_rn(total, sh.tile_sum[j]);
+        int jstar = -1;
+        double c = 0.0, target = 0.0;
+        if (total > 0.0) {
+            target = __dmul_rn((double)u, total);
+            for (int j = 0; j < tiles; ++j) {
+                const double next = __dadd_rn(c, sh.tile_sum[j]);
+                if (next > target) { jstar = j; break; }
+                c = next;
+            }
+        }
+        sh.jstar = jstar;
+        sh.c = c;
+        sh.target = target;
+    }
+    __syncthreads();
+    const int jstar = sh.jstar;
+    if (jstar < 0) return -1;  // uniform over the block
+    for (int t = tid; t < CA_TILE; t += blockDim.x) {
+        sh.tile_w[t] = ca_weight(prow, jstar * CA_TILE + t, vocab, mode, x, sh.ids, sh.q);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        double run = sh.c;
+        const double target = sh.target;
+        int tok = -1, last = -1;
+        for (int t = 0; t < CA_TILE; ++t) {
+            const int v = jstar * CA_TILE + t;
+            if (v >= vocab) break;
+            const double w = sh.tile_w[t];
+            run = __dadd_rn(run, w);
+            if (w > 0.0) last = v;
+            if (run > target) { tok = v; break; }
+        }
+        sh.tok = tok >= 0 ? tok : last;
+    }
+    __syncthreads();
+    return sh.tok;
+}
+
+extern "C" __global__ void __launch_bounds__(CA_THREADS) chain_accept_kernel(
+    const float* __restrict__ p, const int* __restrict__ proposals, const int* __restrict__ live,
+    const float* __restrict__ q, const int* __restrict__ ids, int top16,
+    const int* __restrict__ seeds, const int* __restrict__ start_pos, int* __restrict__ accepted,
+    int* __restrict__ out_tokens, int* __restrict__ out_len, int rows, int cols, int vocab) {
+    __shared__ CaShared sh;
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const int tid = threadIdx.x;
+    int Q = live[r];
+    Q = Q < 1 ? 1 : (Q > cols ? cols : Q);
+    const int P = Q - 1;
+    const int K = cols - 1;
+    const u64 seed = (u64)(u32)seeds[2 * r] | ((u64)(u32)seeds[2 * r + 1] << 32);
+    const u64 F = (u64)(u32)start_pos[r];
+    const int* prop = proposals + (size_t)r * K;
+
+    // Acceptance scan (thread 0).
+    if (tid == 0) {
+        int A = 0, rejected = 0, xr = -1;
+        for (int i = 0; i < P; ++i) {
+            const int x = prop[i];
+            const float* pi = p + ((size_t)r * cols + i) * (size_t)vocab;
+            const double px = (x >= 0 && x < vocab) ? (double)pi[x] : 0.0;
+            double qx = 1.0;
+            if (top16) {
+                qx = 0.0;
+                const size_t sb = ((size_t)r * K + i) * CA_TOP;
+                for (int s = 0; s < CA_TOP; ++s) {
+                    if (ids[sb + s] == x) { qx = (double)q[sb + s]; break; }
+                }
+            }
+            const float u = dflash_unit_f32(dflash_rng_word(seed, F + 1 + (u64)i, CA_PURPOSE_ACCEPT, 0u));
+            if (__dmul_rn((double)u, qx) < px) {
+                ++A;
+            } else {
+                rejected = 1;
+                xr = x;
+                break;
+            }
+        }
+        sh.accepted = A;
+        sh.rejected = rejected;
+        sh.x = xr;
+    }
+    __syncthreads();
+    const int A = sh.accepted;
+    const int rejected = sh.rejected;
+    const int x = sh.x;
+    const float* pc = p + ((size_t)r * cols + A) * (size_t)vocab;
+    int mode = 0;
+    float u;
+    if (rejected) {
+        u = dflash_unit_f32(dflash_rng_word(seed, F + 1 + (u64)A, CA_PURPOSE_CORRECTION, 0u));
+        mode = top16 ? 2 : 1;
+        if (top16 && tid < CA_TOP) {
+            const size_t sb = ((size_t)r * K + A) * CA_TOP;
+            sh.ids[tid] = ids[sb + tid];
+            sh.q[tid] = q[sb + tid];
+        }
+    } else {
+        u = dflash_unit_f32(dflash_rng_word(seed, F + 1 + (u64)A, CA_PURPOSE_BONUS, 0u));
+    }
+    __syncthreads();
+    int tok = ca_draw(sh, pc, vocab, mode, x, u);
+    if (tok < 0 && mode != 0) tok = ca_draw(sh, pc, vocab, 0, x, u);
+    if (tok < 0) tok = 0;
+
+    for (int j = tid; j < cols; j += blockDim.x) {
+        out_tokens[(size_t)r * cols + j] = j < A ? prop[j] : (j == A ? tok : -1);
+    }
+    if (tid == 0) {
+        accepted[r] = A;
+        out_len[r] = A + 1;
+    }
+}

@@ -1,0 +1,222 @@
+// target_distribution: processed target distribution of every live verify column
+// (contract: crates/dflash-ops/src/target_distribution/mod.rs).
+//
+// One block of TD_THREADS threads per (row, column). Every loop over the vocabulary uses the
+// same mapping v = threadIdx.x + k * blockDim.x, so a thread only reads back the p elements it
+// wrote itself (p holds the processed logits z as scratch between passes). Exact f32 steps use
+// the _rn intrinsics so that no multiply-add is contracted.
+
+#define TD_THREADS 512
+#define TD_MAX_COLS 256
+#define TD_MASS_SCALE 1099511627776.0
+
+// Order-preserving u32 key of a (non-NaN) f32: a < b  <=>  key(a) < key(b).
+__device__ __forceinline__ u32 td_key(float z) {
+    u32 b = __float_as_uint(z);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Block-wide f64 sum (fixed tree order). s_red holds 33 doubles.
+__device__ double td_block_sum(double x, double* s_red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int off = 16; off > 0; off >>= 1) x = __dadd_rn(x, __shfl_down_sync(0xffffffffu, x, off));
+    __syncthreads();  // previous readers of s_red are done
+    if (lane == 0) s_red[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        double t = lane < nw ? s_red[lane] : 0.0;
+        for (int off = 16; off > 0; off >>= 1) t = __dadd_rn(t, __shfl_down_sync(0xffffffffu, t, off));
+        if (lane == 0) s_red[32] = t;
+    }
+    __syncthreads();
+    return s_red[32];
+}
+
+extern "C" __global__ void __launch_bounds__(TD_THREADS) target_distribution_kernel(
+    const float* __restrict__ logits, const int* __restrict__ live, const int* __restrict__ counts,
+    const int* __restrict__ proposals, const float* __restrict__ temperature,
+    const int* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
+    const float* __restrict__ rep_pen, const float* __restrict__ freq_pen,
+    const float* __restrict__ pres_pen, float* __restrict__ p, int rows, int cols, int vocab,
+    int public_vocab) {
+    __shared__ int s_hist[TD_MAX_COLS];
+    __shared__ unsigned int s_count[256];
+    __shared__ unsigned long long s_mass[256];
+    __shared__ double s_red[33];
+    __shared__ float s_bv[32];
+    __shared__ int s_bi[32];
+    __shared__ float s_zmax;
+    __shared__ int s_amax;
+    __shared__ u32 s_prefix;
+    __shared__ u32 s_rem;
+    __shared__ unsigned long long s_above;
+    __shared__ double s_target;
+
+    const int r = blockIdx.x / cols;
+    const int i = blockIdx.x % cols;
+    if (r >= rows) return;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const size_t base = ((size_t)r * cols + i) * (size_t)vocab;
+    float* out = p + base;
+    int q = live[r];
+    q = q < 0 ? 0 : (q > cols ? cols : q);
+    if (i >= q) {  // dead column (uniform over the block)
+        for (int v = tid; v < vocab; v += nt) out[v] = 0.0f;
+        return;
+    }
+
+    // History d_1..d_i of this column (i <= cols - 1 <= TD_MAX_COLS - 1).
+    for (int j = tid; j < i; j += nt) s_hist[j] = proposals[(size_t)r * (cols - 1) + j];
+    __syncthreads();
+
+    const float T = temperature[r];
+    const bool greedy = !(T > 0.0f);
+    const float rep = rep_pen[r], freq = freq_pen[r], pres = pres_pen[r];
+    const int* crow = counts + (size_t)r * vocab;
+    const float* lrow = logits + base;
+
+    // Pass 1: processed logits into p (scratch) and the lowest-id argmax.
+    float bv = __int_as_float((int)0xff800000u);  // -inf without <math.h> (NVRTC)
+    int bi = 0x7fffffff;
+    for (int v = tid; v < public_vocab; v += nt) {
+        long long c = (long long)crow[v];
+        for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
+        float l = lrow[v];
+        if (c > 0) {
+            l = (l > 0.0f) ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+            l = __fsub_rn(l, __fadd_rn(__fmul_rn(freq, __ll2float_rn(c)), pres));
+        }
+        float z = greedy ? l : __fdiv_rn(l, T);
+        z = __fadd_rn(z, 0.0f);  // -0 -> +0
+        out[v] = z;
+        if (z > bv || (z == bv && v < bi)) { bv = z; bi = v; }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        float ov = __shfl_down_sync(0xffffffffu, bv, off);
+        int oi = __shfl_down_sync(0xffffffffu, bi, off);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    {
+        const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+        if (lane == 0) { s_bv[warp] = bv; s_bi[warp] = bi; }
+        __syncthreads();
+        if (tid == 0) {
+            float b = s_bv[0];
+            int id = s_bi[0];
+            for (int w = 1; w < nw; ++w) {
+                if (s_bv[w] > b || (s_bv[w] == b && s_bi[w] < id)) { b = s_bv[w]; id = s_bi[w]; }
+            }
+            s_zmax = b;
+            s_amax = id;
+        }
+        __syncthreads();
+    }
+    const int amax = s_amax;
+
+    if (greedy) {
+        for (int v = tid; v < vocab; v += nt) out[v] = (v == amax) ? 1.0f : 0.0f;
+        return;
+    }
+    const double zmax = (double)s_zmax;
+
+    // Top-k: radix select of the k-th largest key (multiplicity counted).
+    u32 tk_key = 0;
+    const int K = top_k[r];
+    if (K > 0 && K < public_vocab) {
+        u32 prefix = 0, mask = 0;
+        if (tid == 0) s_rem = (u32)K;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += nt) s_count[b] = 0u;
+            __syncthreads();
+            for (int v = tid; v < public_vocab; v += nt) {
+                u32 key = td_key(out[v]);
+                if ((key & mask) == prefix) atomicAdd(&s_count[(key >> shift) & 255u], 1u);
+            }
+            __syncthreads();
+            if (tid == 0) {
+                u32 rem = s_rem;
+                int pick = 0;
+                for (int b = 255; b >= 0; --b) {
+                    u32 c = s_count[b];
+                    if (c >= rem) { pick = b; break; }
+                    rem -= c;
+                }
+                s_rem = rem;
+                s_prefix = prefix | ((u32)pick << shift);
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            mask |= 255u << shift;
+        }
+        tk_key = prefix;
+    }
+
+    // Top-p: radix select on fixed-point masses m = floor(e * 2^40) over the top-k set.
+    u32 tp_key = 0;
+    const float TP = top_p[r];
+    if (TP < 1.0f) {
+        u32 prefix = 0, mask = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += nt) s_mass[b] = 0ull;
+            __syncthreads();
+            for (int v = tid; v < public_vocab; v += nt) {
+                float z = out[v];
+                u32 key = td_key(z);
+                if (key >= tk_key && (key & mask) == prefix) {
+                    double e = exp(__dsub_rn((double)z, zmax));
+                    unsigned long long m = (unsigned long long)__dmul_rn(e, TD_MASS_SCALE);
+                    if (m != 0ull) atomicAdd(&s_mass[(key >> shift) & 255u], m);
+                }
+            }
+            __syncthreads();
+            if (tid == 0) {
+                if (shift == 24) {
+                    unsigned long long total = 0ull;
+                    for (int b = 0; b < 256; ++b) total += s_mass[b];
+                    s_target = __dmul_rn((double)TP, __ull2double_rn(total));
+                    s_above = 0ull;
+                }
+                unsigned long long above = s_above;
+                const double target = s_target;
+                int pick = 0;
+                for (int b = 255; b >= 0; --b) {
+                    unsigned long long m = s_mass[b];
+                    if (__ull2double_rn(above + m) >= target) { pick = b; break; }
+                    above += m;
+                }
+                s_above = above;
+                s_prefix = prefix | ((u32)pick << shift);
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            mask |= 255u << shift;
+        }
+        tp_key = prefix;
+    }
+
+    // Min-p and the normalizer over the kept set.
+    const u32 thr = tk_key > tp_key ? tk_key : tp_key;
+    const double mp = (double)min_p[r];
+    double part = 0.0;
+    for (int v = tid; v < public_vocab; v += nt) {
+        float z = out[v];
+        if (td_key(z) >= thr) {
+            double e = exp(__dsub_rn((double)z, zmax));
+            if (e >= mp) part = __dadd_rn(part, e);
+        }
+    }
+    const double S = td_block_sum(part, s_red);
+
+    // Write pass.
+    for (int v = tid; v < vocab; v += nt) {
+        float val = 0.0f;
+        if (v < public_vocab) {
+            float z = out[v];
+            if (td_key(z) >= thr) {
+                double e = exp(__dsub_rn((double)z, zmax));
+                if (e >= mp) val = __double2float_rn(__ddiv_rn(e, S));
+            }
+        }
+        out[v] = val;
+    }
+}
