@@ -1,11 +1,383 @@
-//! softmax_attention (placeholder: contract, reference, CUDA launcher and cases to be written).
+//! Softmax attention (full draft layers): non-causal attention of a query block over the
+//! row's whole paged context and the live columns of its own block.
+//!
+//! ```text
+//! Semantics. For row r with context frontier F = start_pos[r] and L = live[r] live columns,
+//! query column i < L (absolute position F + i) and query head h (KV head
+//! kvh = h / (Hq / Hkv)), the visible keys are
+//!   - every context position p in [0, F): K = pages_k[table[r][p / page_size], p % page_size,
+//!     kvh], V = pages_v[same] (V stored F16);
+//!   - every block column j < L of the same row: K = k_blk[r, j, kvh], V = v_blk[r, j, kvh]
+//!     (non-causal: columns after i are visible too).
+//!
+//!   s_k = (q[r, i, h] . K_k) / sqrt(D);  w_k = exp(s_k - max_k s_k)
+//!   out[r, i, h*D..(h+1)*D] = bf16_rne(sum_k w_k V_k / sum_k w_k)
+//!
+//! Rows never see other rows. Columns i >= L are dead: every element of them is written +0.0.
+//! (The window-limited variant of the same math is sliding_window_attention; both
+//! evaluate it with one shared helper.)
+//! Shapes. q: [rows, cols, Hq, D]; k_blk, v_blk: [rows, cols, Hkv, D];
+//!   pages_k, pages_v: [pages, page_size, Hkv, D]; page_table: [rows, max_pages];
+//!   start_pos, live: [rows]; out: [rows, cols, Hq * D]; workspace: at least
+//!   workspace_len() f32.
+//! Dtypes. q, k_blk, v_blk, pages_k: bf16; pages_v: f16; page_table, start_pos, live: i32;
+//!   out: bf16; workspace: f32 scratch.
+//! Rounding points. Only the output (bf16, RNE, once). Scores, softmax and the weighted sum are
+//!   unrounded math.
+//! Accumulation. Implementation choice (CUDA: FP32, split-KV with an online softmax per split
+//!   and an exact-formula merge); the oracle is f64 from the represented inputs (the CPU
+//!   reference is that oracle).
+//! Tie-breaking. None (no discrete decision).
+//! Masking/live extents. Query columns i >= live[r] output +0.0; block keys j >= live[r] are
+//!   invisible (their q/k/v contents have no effect). The context is exactly [0, F).
+//! Caller guarantees (checked on the CPU, trusted on CUDA, where out-of-range metadata is
+//!   clamped or skipped so nothing is read or written out of bounds but the result is then
+//!   unspecified): start_pos[r] >= 0 and F <= max_pages * page_size; live[r] in 1..=cols;
+//!   table[r][0..ceil(F / page_size)] in 0..pages (later entries are never read). No
+//!   aliasing between out/workspace and the inputs.
+//! Writes. Every element of out; the first workspace_len() elements of workspace on
+//!   CUDA (scratch, contents unspecified afterwards; the CPU does not touch it). Inputs are
+//!   never modified.
+//! Comparison. out: close (abs 1e-4, 2 bf16 ulps); dead columns: exact +0.0 bits.
+//! ```
+//!
+//! CUDA. Split-KV: grid (splits, Hkv, rows), one block per (split, KV head, row) handles all
+//! query heads of the KV group and every live column over a contiguous chunk of the row's
+//! key list (context keys, then block keys), one warp per (column, head), writing partial
+//! (max, sum, accumulator) to the workspace; a merge kernel (one block per (row, column))
+//! combines the partials and writes the dead columns' zeros. The split count is static
+//! ([`split_count`]); each row divides its own keys evenly over the splits on the device, and
+//! splits whose chunk is empty write neutral partials (max -inf, sum 0).
+//!
+//! Performance: the kernels use FP32 CUDA cores (a warp-wide shuffle reduction per key and
+//! head), not tensor cores; the split count keeps every SM busy at small batch.
+//!
+//! Shared math: [`crate::sliding_window_attention`] evaluates the same per-row helper.
+//! Sizes: [`workspace_len`], [`split_count`].
 
-use crate::registry::Case;
+pub(crate) mod attend;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+mod reference;
+#[cfg(test)]
+mod tests;
+
+use half::{bf16, f16};
+
+use crate::registry::{Case, CaseRun, InputCheck};
+use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+use attend::{CaseRng, Geometry, Lens};
 
 /// Registry id.
 pub const OP: &str = "softmax_attention";
 
+/// Static shape of a full-layer attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FullAttentionParams {
+    /// Requests in the batch (>= 1).
+    pub rows: usize,
+    /// Query columns per request, W = K + 1 (>= 1).
+    pub cols: usize,
+    /// Query heads Hq (a multiple of `kv_heads`).
+    pub q_heads: usize,
+    /// KV heads Hkv (>= 1).
+    pub kv_heads: usize,
+    /// Head dimension D (even, 2..=256).
+    pub head_dim: usize,
+    /// Pages in the pool.
+    pub pages: usize,
+    /// Positions per page (>= 1).
+    pub page_size: usize,
+    /// Page-table entries per row; a row's context holds at most `max_pages * page_size`
+    /// positions.
+    pub max_pages: usize,
+}
+
+impl FullAttentionParams {
+    fn geometry(&self) -> Geometry {
+        Geometry {
+            rows: self.rows,
+            cols: self.cols,
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// Most keys a row can see: `max_pages * page_size + cols` (saturating).
+    fn key_capacity(&self) -> usize {
+        self.max_pages
+            .saturating_mul(self.page_size)
+            .saturating_add(self.cols)
+    }
+}
+
+/// The static split count of the CUDA kernels for `p` (depends on shapes only).
+pub fn split_count(p: &FullAttentionParams) -> usize {
+    attend::split_count(p.key_capacity())
+}
+
+/// f32 elements the `workspace` of [`run`] must have at least:
+/// `rows * cols * q_heads * split_count(p) * (head_dim + 2)` (saturating for nonsense shapes,
+/// which [`run`] refuses anyway).
+pub fn workspace_len(p: &FullAttentionParams) -> usize {
+    attend::workspace_len(&p.geometry(), p.key_capacity())
+}
+
+/// Full-layer attention (see the module contract).
+pub fn run(
+    be: &Backend,
+    q: &Buffer<bf16>,
+    k_blk: &Buffer<bf16>,
+    v_blk: &Buffer<bf16>,
+    pages_k: &Buffer<bf16>,
+    pages_v: &Buffer<f16>,
+    page_table: &Buffer<i32>,
+    start_pos: &Buffer<i32>,
+    live: &Buffer<i32>,
+    out: &mut Buffer<bf16>,
+    workspace: &mut Buffer<f32>,
+    p: &FullAttentionParams,
+) -> Result<()> {
+    let g = p.geometry();
+    g.validate(OP)?;
+    let i32_max = i32::MAX as usize;
+    check_param(
+        OP,
+        "page_size",
+        (1..=i32_max).contains(&p.page_size),
+        p.page_size,
+        || "page_size >= 1".into(),
+    )?;
+    check_param(OP, "pages", p.pages <= i32_max, p.pages, || {
+        "pages <= i32::MAX".into()
+    })?;
+    check_param(
+        OP,
+        "max_pages",
+        p.max_pages
+            .checked_mul(p.page_size)
+            .and_then(|n| n.checked_add(p.cols))
+            .is_some_and(|n| n <= i32_max),
+        p.max_pages,
+        || "max_pages * page_size + cols <= i32::MAX".into(),
+    )?;
+    let slot_elems = p
+        .pages
+        .checked_mul(p.page_size)
+        .and_then(|n| n.checked_mul(p.kv_heads * p.head_dim))
+        .ok_or_else(|| OpsError::Param {
+            op: OP,
+            param: "pages",
+            expected: "pages * page_size * kv_heads * head_dim to fit in usize".into(),
+            found: p.pages.to_string(),
+        })?;
+    attend::check_common(
+        OP,
+        &g,
+        &Lens {
+            q: q.len(),
+            k_blk: k_blk.len(),
+            v_blk: v_blk.len(),
+            start_pos: start_pos.len(),
+            live: live.len(),
+            out: out.len(),
+            workspace: workspace.len(),
+            key_capacity: p.key_capacity(),
+        },
+    )?;
+    let (pg, ps, hkv, d) = (p.pages, p.page_size, p.kv_heads, p.head_dim);
+    check_len(OP, "pages_k", pages_k.len(), slot_elems, || {
+        format!("[pages={pg}, page_size={ps}, kv_heads={hkv}, head_dim={d}]")
+    })?;
+    check_len(OP, "pages_v", pages_v.len(), slot_elems, || {
+        format!("[pages={pg}, page_size={ps}, kv_heads={hkv}, head_dim={d}]")
+    })?;
+    check_len(
+        OP,
+        "page_table",
+        page_table.len(),
+        p.rows * p.max_pages,
+        || format!("[rows={}, max_pages={}]", p.rows, p.max_pages),
+    )?;
+    match be {
+        Backend::Cpu => reference::run(
+            &g,
+            p,
+            attend::Inputs {
+                q: q.host(OP, "q")?,
+                k_blk: k_blk.host(OP, "k_blk")?,
+                v_blk: v_blk.host(OP, "v_blk")?,
+                ctx_k: pages_k.host(OP, "pages_k")?,
+                ctx_v: pages_v.host(OP, "pages_v")?,
+                start_pos: start_pos.host(OP, "start_pos")?,
+                live: live.host(OP, "live")?,
+            },
+            page_table.host(OP, "page_table")?,
+            {
+                // The workspace must still live on this backend.
+                workspace.host(OP, "workspace")?;
+                out.host_mut(OP, "out")?
+            },
+        ),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(c) => cuda::run(
+            c, q, k_blk, v_blk, pages_k, pages_v, page_table, start_pos, live, out, workspace, p,
+        ),
+    }
+}
+
+/// One conformance case: rows given as (F, live), a scattered page table (pages assigned
+/// from a random permutation, unused entries -1).
+struct CaseSpec {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    cols: usize,
+    page_size: usize,
+    rows: Vec<(i32, i32)>,
+    seed: u64,
+}
+
+fn case(spec: CaseSpec) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let s = &spec;
+        let rows = s.rows.len();
+        let used: Vec<usize> = s
+            .rows
+            .iter()
+            .map(|&(f, _)| (f as usize).div_ceil(s.page_size))
+            .collect();
+        let max_pages = used.iter().copied().max().unwrap_or(0).max(1) + 1;
+        let pages = used.iter().sum::<usize>() + 3;
+        let p = FullAttentionParams {
+            rows,
+            cols: s.cols,
+            q_heads: s.q_heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            pages,
+            page_size: s.page_size,
+            max_pages,
+        };
+        let mut rng = CaseRng::new(s.seed);
+        let perm = rng.permutation(pages);
+        let mut table = vec![-1i32; rows * max_pages];
+        let mut next = 0;
+        for (r, &u) in used.iter().enumerate() {
+            for k in 0..u {
+                table[r * max_pages + k] = perm[next] as i32;
+                next += 1;
+            }
+        }
+        let g = p.geometry();
+        let slot_elems = pages * s.page_size * s.kv_heads * s.head_dim;
+        let mut inputs = InputCheck::default();
+        let q = inputs.upload(be, "q", &rng.bf16s(g.q_len(), 2.0))?;
+        let kb = inputs.upload(be, "k_blk", &rng.bf16s(g.kv_len(), 2.0))?;
+        let vb = inputs.upload(be, "v_blk", &rng.bf16s(g.kv_len(), 1.0))?;
+        let pk = inputs.upload(be, "pages_k", &rng.bf16s(slot_elems, 2.0))?;
+        let pv = inputs.upload(be, "pages_v", &rng.ctx_v(slot_elems, 1.0))?;
+        let pt = inputs.upload(be, "page_table", &table)?;
+        let fs: Vec<i32> = s.rows.iter().map(|r| r.0).collect();
+        let ls: Vec<i32> = s.rows.iter().map(|r| r.1).collect();
+        let sp = inputs.upload(be, "start_pos", &fs)?;
+        let lv = inputs.upload(be, "live", &ls)?;
+        let mut out = be.filled(g.q_len(), bf16::POISON)?;
+        let mut ws = be.filled(workspace_len(&p), f32::POISON)?;
+        run(
+            be, &q, &kb, &vb, &pk, &pv, &pt, &sp, &lv, &mut out, &mut ws, &p,
+        )?;
+        let mut modified = Vec::new();
+        inputs.verify(be, "q", &q, &mut modified)?;
+        inputs.verify(be, "k_blk", &kb, &mut modified)?;
+        inputs.verify(be, "v_blk", &vb, &mut modified)?;
+        inputs.verify(be, "pages_k", &pk, &mut modified)?;
+        inputs.verify(be, "pages_v", &pv, &mut modified)?;
+        inputs.verify(be, "page_table", &pt, &mut modified)?;
+        inputs.verify(be, "start_pos", &sp, &mut modified)?;
+        inputs.verify(be, "live", &lv, &mut modified)?;
+        Ok(CaseRun {
+            outputs: attend::case_outputs(&g, &ls, &be.download(&out)?),
+            modified_inputs: modified,
+        })
+    }
+}
+
 /// Conformance cases.
 pub(crate) fn cases() -> Vec<Case> {
-    Vec::new()
+    let official = |cols, page_size, rows: Vec<(i32, i32)>, seed| CaseSpec {
+        q_heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        cols,
+        page_size,
+        rows,
+        seed,
+    };
+    vec![
+        Case::new(
+            OP,
+            "small_hq4_hkv2_d16_p4_rows3",
+            case(CaseSpec {
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim: 16,
+                cols: 5,
+                page_size: 4,
+                rows: vec![(0, 5), (9, 3), (33, 1)],
+                seed: 11,
+            }),
+        ),
+        Case::new(
+            OP,
+            "official_f0_rows8_k15",
+            case(official(16, 16, vec![(0, 16); 8], 12)),
+        ),
+        Case::new(
+            OP,
+            "official_p16_rows8_k15_scattered",
+            case(official(
+                16,
+                16,
+                vec![
+                    (0, 16),
+                    (1, 9),
+                    (17, 16),
+                    (100, 1),
+                    (1000, 16),
+                    (2048, 12),
+                    (4096, 16),
+                    (5000, 7),
+                ],
+                13,
+            )),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "official_p64_rows8_k1_scattered",
+            case(official(
+                2,
+                64,
+                vec![
+                    (5000, 2),
+                    (0, 1),
+                    (63, 2),
+                    (64, 2),
+                    (65, 1),
+                    (3000, 2),
+                    (4096, 2),
+                    (777, 1),
+                ],
+                14,
+            )),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "official_p64_rows1_k15_f300",
+            case(official(16, 64, vec![(300, 11)], 15)),
+        ),
+    ]
 }
