@@ -1,11 +1,231 @@
-//! head_norm_rope (placeholder: contract, reference, CUDA launcher and cases to be written).
+//! Head norm + RoPE: plain per-head RMSNorm over the full head dimension, then split-half
+//! one-dimensional RoPE at absolute positions (the draft's Q/K path).
+//!
+//! Semantics. For row r, column c, head h, with position `p = start_pos[r] + c` and `x` the
+//!   head's `D` raw values:
+//!   `n[j]   = w[j] * x[j] / sqrt(mean_j' x[j']^2 + eps)`          (plain: `w * ...`)
+//!   for j < D/2:  inv_freq_j = theta^(-2j/D),  a_j = p * inv_freq_j
+//!   `out[j]       = n[j] cos a_j - n[j + D/2] sin a_j`
+//!   `out[j + D/2] = n[j + D/2] cos a_j + n[j] sin a_j`
+//! Shapes. x, out: `[rows, cols, heads, D]`; norm: `[D]`; start_pos: `[rows]`.
+//! Dtypes. x: F32 (the raw projection output: raw Q/K have no BF16 cast before the norm);
+//!   norm: BF16; start_pos: I32; out: BF16.
+//! Rounding points. out only: once, BF16 RNE. Norm and rotation are unrounded math.
+//! Angle precision (contract, positions reach 1e5 and beyond). `a_j` is formed in f64
+//!   (`p as f64 * theta.powf(-2j/D)`) and reduced to `[0, 2*pi]` in f64 as
+//!   `a - 2*pi*floor(a / 2*pi)`; only the reduced angle may be narrowed (CUDA: `sincosf` of
+//!   the reduced angle as f32). An f32 angle product would be off by up to ~0.01 rad at
+//!   p = 1e5 and is not allowed.
+//! Accumulation. Implementation choice (CUDA: FP32 warp reduction); the oracle is f64 from
+//!   the represented inputs with f64 sin/cos.
+//! Tie-breaking. None. Masking/live extents. None: every column is computed (live-count
+//!   masking is the caller's business).
+//! Caller guarantees. start_pos >= 0 (checked on the CPU; CUDA clamps a negative one to 0).
+//!   No aliasing between out and the inputs.
+//! Writes. Every element of out, nothing else.
+//! Parameters. `D` even and >= 2; eps finite >= 0; theta finite > 0.
+//! Properties. RoPE preserves each pair's norm (so the head's norm) up to rounding;
+//!   position 0 is the identity after the norm.
+//! Comparison. `close(abs = 1e-4 * max|norm|, rel = 0, 1 bf16 ulp)`: normalized values are
+//!   O(max|norm|) and a rotated value may cancel to near zero, so the error is absolute at
+//!   that scale (FP32 norm and f32 sin/cos of a correctly reduced angle: a few 1e-7); the
+//!   floor admits one rounding flip.
 
-use crate::registry::Case;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub(crate) mod reference;
+#[cfg(test)]
+mod tests;
+
+use half::bf16;
+
+use crate::gemm::data::{SplitMix, max_abs_bf16};
+use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
+use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "head_norm_rope";
 
-/// Conformance cases.
+/// Parameters of [`run`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HeadNormRopeParams {
+    /// Requests in the batch.
+    pub rows: usize,
+    /// Columns per row (column `c` of row `r` is at position `start_pos[r] + c`).
+    pub cols: usize,
+    /// Heads per column.
+    pub heads: usize,
+    /// Head dimension D (even, >= 2).
+    pub head_dim: usize,
+    /// Norm epsilon (finite, >= 0).
+    pub eps: f32,
+    /// RoPE theta (finite, > 0).
+    pub theta: f64,
+}
+
+fn validate(x: usize, w: usize, sp: usize, out: usize, p: &HeadNormRopeParams) -> Result<()> {
+    check_param(
+        OP,
+        "head_dim",
+        p.head_dim >= 2 && p.head_dim.is_multiple_of(2),
+        p.head_dim,
+        || "an even number >= 2 (split-half RoPE)".into(),
+    )?;
+    check_param(OP, "eps", p.eps.is_finite() && p.eps >= 0.0, p.eps, || {
+        "finite and >= 0".into()
+    })?;
+    check_param(
+        OP,
+        "theta",
+        p.theta.is_finite() && p.theta > 0.0,
+        p.theta,
+        || "finite and > 0".into(),
+    )?;
+    let n = [p.cols, p.heads, p.head_dim]
+        .iter()
+        .try_fold(p.rows, |a, &b| a.checked_mul(b))
+        .ok_or_else(|| OpsError::Param {
+            op: OP,
+            param: "rows*cols*heads*head_dim",
+            expected: "a size that fits in usize".into(),
+            found: format!("{} x {} x {} x {}", p.rows, p.cols, p.heads, p.head_dim),
+        })?;
+    let shape = || {
+        format!(
+            "[rows={}, cols={}, heads={}, head_dim={}]",
+            p.rows, p.cols, p.heads, p.head_dim
+        )
+    };
+    check_len(OP, "x", x, n, shape)?;
+    check_len(OP, "norm", w, p.head_dim, || {
+        format!("[head_dim={}]", p.head_dim)
+    })?;
+    check_len(OP, "start_pos", sp, p.rows, || format!("[rows={}]", p.rows))?;
+    check_len(OP, "out", out, n, shape)?;
+    Ok(())
+}
+
+/// Normalize and rotate every head (see the module contract).
+pub fn run(
+    be: &Backend,
+    x: &Buffer<f32>,
+    norm: &Buffer<bf16>,
+    start_pos: &Buffer<i32>,
+    out: &mut Buffer<bf16>,
+    p: &HeadNormRopeParams,
+) -> Result<()> {
+    validate(x.len(), norm.len(), start_pos.len(), out.len(), p)?;
+    match be {
+        Backend::Cpu => {
+            let sp = start_pos.host(OP, "start_pos")?;
+            if let Some((i, &s)) = sp.iter().enumerate().find(|(_, s)| **s < 0) {
+                return Err(OpsError::Value {
+                    op: OP,
+                    tensor: "start_pos",
+                    index: i,
+                    expected: "a position >= 0".into(),
+                    found: s.to_string(),
+                });
+            }
+            reference::run(
+                x.host(OP, "x")?,
+                norm.host(OP, "norm")?,
+                sp,
+                out.host_mut(OP, "out")?,
+                p.cols,
+                p.heads,
+                p.head_dim,
+                p.theta,
+                p.eps,
+            );
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(c) => cuda::run(c, x, norm, start_pos, out, p),
+    }
+}
+
+/// The comparison criterion of the module contract.
+pub(crate) fn criterion(norm: &[bf16]) -> Criterion {
+    Criterion::Close {
+        abs: 1e-4 * max_abs_bf16(norm),
+        rel: 0.0,
+        bf16_ulps: 1,
+    }
+}
+
+fn case(
+    rows: usize,
+    cols: usize,
+    heads: usize,
+    start_pos: Vec<i32>,
+    seed: u64,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let d = 128;
+        let p = HeadNormRopeParams {
+            rows,
+            cols,
+            heads,
+            head_dim: d,
+            eps: 1e-6,
+            theta: 1e7,
+        };
+        let mut g = SplitMix::new(seed);
+        let n = rows * cols * heads * d;
+        // Heads at different scales (raw projections are not normalized).
+        let x: Vec<f32> = (0..n)
+            .map(|i| (g.range(-1.0, 1.0) * 10f64.powi(((i / d) % 5) as i32 - 2)) as f32)
+            .collect();
+        let w = g.bf16_vec(d, -1.5, 1.5);
+        let mut inputs = InputCheck::default();
+        let xb = inputs.upload(be, "x", &x)?;
+        let wb = inputs.upload(be, "norm", &w)?;
+        let sb = inputs.upload(be, "start_pos", &start_pos)?;
+        let mut out = be.filled(n, bf16::POISON)?;
+        run(be, &xb, &wb, &sb, &mut out, &p)?;
+        let mut modified = Vec::new();
+        inputs.verify(be, "x", &xb, &mut modified)?;
+        inputs.verify(be, "norm", &wb, &mut modified)?;
+        inputs.verify(be, "start_pos", &sb, &mut modified)?;
+        Ok(CaseRun {
+            outputs: vec![output(
+                "out",
+                criterion(&w),
+                &vec![bf16::POISON; n],
+                &be.download(&out)?,
+                |_| true,
+            )],
+            modified_inputs: modified,
+        })
+    }
+}
+
+/// Conformance cases (official head geometry: D 128, 32 Q heads / 8 KV heads, theta 1e7).
 pub(crate) fn cases() -> Vec<Case> {
-    Vec::new()
+    vec![
+        Case::new(OP, "q_rows1_w8_h32_pos0", case(1, 8, 32, vec![0], 31)),
+        Case::new(
+            OP,
+            "k_rows8_w16_h8_large_positions",
+            case(
+                8,
+                16,
+                8,
+                vec![0, 1, 4095, 4096, 99_990, 131_072, 1_000_000, 2_000_000_000],
+                32,
+            ),
+        ),
+        Case::new(
+            OP,
+            "q_rows8_w16_h32_mixed_positions",
+            case(
+                8,
+                16,
+                32,
+                vec![5, 2047, 2048, 65_535, 123_456, 7, 300_000, 42],
+                33,
+            ),
+        ),
+    ]
 }

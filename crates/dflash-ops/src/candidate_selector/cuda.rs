@@ -1,0 +1,53 @@
+//! CUDA launcher of `candidate_selector` (kernels/candidate_selector.cu): one 512-thread block
+//! (16 warps, one per candidate rank) per row, the k steps in order inside the block.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use crate::Result;
+use crate::cuda::{CudaBackend, cuda_err};
+use crate::rng::Purpose;
+
+use super::{Inputs, OP, Outputs, Params, TOP_K};
+
+const SOURCE: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../kernels/candidate_selector.cu"
+));
+
+/// Threads per block: one warp per candidate rank (`CS_THREADS` in the kernel).
+const THREADS: u32 = (TOP_K * 32) as u32;
+
+/// Shapes were validated by `super::run` (rows >= 1, rank <= MAX_RANK, vocab <= MAX_VOCAB).
+pub(super) fn run(c: &CudaBackend, i: &Inputs<'_>, o: &mut Outputs<'_>, p: &Params) -> Result<()> {
+    let f = c.function(OP, SOURCE, "candidate_selector_walk")?;
+    let cfg = LaunchConfig {
+        grid_dim: (p.rows as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        // rank <= MAX_RANK = 8192 floats: 32 KiB, under the 48 KiB default limit.
+        shared_mem_bytes: (p.rank * std::mem::size_of::<f32>()) as u32,
+    };
+    let (k, rank, vocab) = (p.k as i32, p.rank as i32, p.vocab as i32);
+    let purpose = Purpose::Dflash2Proposal as u32;
+    let mut b = c.stream().launch_builder(&f);
+    b.arg(i.g.device(OP, "g")?);
+    b.arg(i.cand_ids.device(OP, "cand_ids")?);
+    b.arg(i.unary.device(OP, "unary")?);
+    b.arg(i.w_pred.device(OP, "w_pred")?);
+    b.arg(i.w_succ.device(OP, "w_succ")?);
+    b.arg(i.anchors.device(OP, "anchors")?);
+    b.arg(i.seeds.device(OP, "seeds")?);
+    b.arg(i.start_pos.device(OP, "start_pos")?);
+    b.arg(i.temperature.device(OP, "temperature")?);
+    b.arg(o.proposals.device_mut(OP, "proposals")?);
+    b.arg(o.q.device_mut(OP, "q")?);
+    b.arg(o.chosen.device_mut(OP, "chosen")?);
+    b.arg(&k);
+    b.arg(&rank);
+    b.arg(&vocab);
+    b.arg(&purpose);
+    // SAFETY: argument types and order match candidate_selector_walk; every buffer length was
+    // checked against [rows, k, R] / [rows, k, 16] / [vocab, R] / [rows] by `super::run`, and
+    // the kernel clamps ids into [0, vocab) before addressing a codebook.
+    unsafe { b.launch(cfg) }.map_err(cuda_err("launching candidate_selector_walk"))?;
+    Ok(())
+}

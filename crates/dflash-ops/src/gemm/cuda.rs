@@ -1,0 +1,221 @@
+//! CUDA path of `gemm`: one `cublasGemmEx` (BF16 inputs, FP32 compute), and the crate-wide
+//! device GEMM helper [`gemm_bf16_device`] that other launchers call on slices or views.
+
+use cudarc::cublas::sys;
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use crate::cuda::CudaBackend;
+use crate::{Buffer, Element, OpsError, Result};
+
+use super::OP;
+
+/// An output element type cuBLAS can write from an FP32 accumulator (f32 or bf16).
+pub(crate) trait GemmOutElem: Element {
+    /// The cuBLAS data type of the output.
+    const CUDA_TYPE: sys::cudaDataType_t;
+}
+
+impl GemmOutElem for f32 {
+    const CUDA_TYPE: sys::cudaDataType_t = sys::cudaDataType_t::CUDA_R_32F;
+}
+
+impl GemmOutElem for bf16 {
+    const CUDA_TYPE: sys::cudaDataType_t = sys::cudaDataType_t::CUDA_R_16BF;
+}
+
+/// Shape and strides of one device GEMM `C[i, j] (+)= sum_l A[i, l] * W[j, l]`, row-major:
+/// row `i` of A starts at element `i * lda` of the A slice, row `j` of W at `j * ldw`, row `i`
+/// of C at `i * ldc`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DeviceGemm {
+    /// Rows of A and C.
+    pub m: usize,
+    /// Rows of W (= columns of C).
+    pub n: usize,
+    /// Reduction length.
+    pub k: usize,
+    /// Row stride of A in elements (>= k).
+    pub lda: usize,
+    /// Row stride of W in elements (>= k).
+    pub ldw: usize,
+    /// Row stride of C in elements (>= n).
+    pub ldc: usize,
+    /// `C += A W^T` (beta = 1) instead of `C = A W^T` (beta = 0, C not read).
+    pub accumulate: bool,
+}
+
+impl DeviceGemm {
+    /// Dense row-major operands (`lda = ldw = k`, `ldc = n`), overwriting C.
+    pub(crate) fn contiguous(m: usize, n: usize, k: usize) -> Self {
+        DeviceGemm {
+            m,
+            n,
+            k,
+            lda: k,
+            ldw: k,
+            ldc: n,
+            accumulate: false,
+        }
+    }
+}
+
+fn blas_err(context: String) -> impl FnOnce(cudarc::cublas::result::CublasError) -> OpsError {
+    move |e| OpsError::Cuda {
+        context,
+        message: e.to_string(),
+    }
+}
+
+fn as_c_int(op: &'static str, what: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| OpsError::Param {
+        op,
+        param: what,
+        expected: "at most i32::MAX (a cuBLAS dimension)".into(),
+        found: v.to_string(),
+    })
+}
+
+/// Elements a row-major operand of `rows` rows of `cols` used elements at stride `ld` spans.
+fn span(rows: usize, cols: usize, ld: usize) -> Option<usize> {
+    if rows == 0 {
+        return Some(0);
+    }
+    (rows - 1).checked_mul(ld)?.checked_add(cols)
+}
+
+/// Queue `C = A W^T` (or `C += A W^T`) on the backend's stream: BF16 A and W, FP32
+/// accumulation (`CUBLAS_COMPUTE_32F`), output `T` (f32 unrounded, or bf16 rounded once, RNE).
+///
+/// `op` names the calling op in errors. `a`, `w`, `out` may be whole slices or views at any
+/// offset. Refuses (without queueing anything) operands shorter than the strides imply,
+/// strides below the row length, `k = 0` and dimensions above `i32::MAX`; `m = 0` or `n = 0`
+/// queue nothing.
+///
+/// Row-major `C[m, n] = A[m, k] W[n, k]^T` is column-major `C^T[n, m] = op_T(W) A^T`: cuBLAS
+/// is called with `transa = T` on W (column-major `[k, n]`, ld `ldw`), `transb = N` on A
+/// (column-major `[k, m]`, ld `lda`) and C column-major `[n, m]` with ld `ldc`.
+pub(crate) fn gemm_bf16_device<T, A, W, C>(
+    c: &CudaBackend,
+    op: &'static str,
+    a: &A,
+    w: &W,
+    out: &mut C,
+    g: &DeviceGemm,
+) -> Result<()>
+where
+    T: GemmOutElem,
+    A: DevicePtr<bf16>,
+    W: DevicePtr<bf16>,
+    C: DevicePtrMut<T>,
+{
+    let bad = |param: &'static str, expected: String, found: String| OpsError::Param {
+        op,
+        param,
+        expected,
+        found,
+    };
+    if g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
+    if g.k == 0 {
+        return Err(bad("k", "k >= 1".into(), "0".into()));
+    }
+    if g.lda < g.k || g.ldw < g.k || g.ldc < g.n {
+        return Err(bad(
+            "gemm strides",
+            format!("lda >= k, ldw >= k, ldc >= n (k = {}, n = {})", g.k, g.n),
+            format!("lda {}, ldw {}, ldc {}", g.lda, g.ldw, g.ldc),
+        ));
+    }
+    for (name, need, have) in [
+        ("gemm A", span(g.m, g.k, g.lda), a.len()),
+        ("gemm W", span(g.n, g.k, g.ldw), w.len()),
+        ("gemm C", span(g.m, g.n, g.ldc), out.len()),
+    ] {
+        match need {
+            Some(need) if need <= have => {}
+            _ => {
+                return Err(OpsError::Range {
+                    op,
+                    tensor: name,
+                    start: 0,
+                    end: need.unwrap_or(usize::MAX),
+                    len: have,
+                });
+            }
+        }
+    }
+    let (m, n, k) = (
+        as_c_int(op, "m", g.m)?,
+        as_c_int(op, "n", g.n)?,
+        as_c_int(op, "k", g.k)?,
+    );
+    let (lda, ldw, ldc) = (
+        as_c_int(op, "lda", g.lda)?,
+        as_c_int(op, "ldw", g.ldw)?,
+        as_c_int(op, "ldc", g.ldc)?,
+    );
+    let blas = c.blas()?;
+    let stream = c.stream();
+    let alpha: f32 = 1.0;
+    let beta: f32 = if g.accumulate { 1.0 } else { 0.0 };
+    let (a_ptr, _ra) = a.device_ptr(stream);
+    let (w_ptr, _rw) = w.device_ptr(stream);
+    let (c_ptr, _rc) = out.device_ptr_mut(stream);
+    // SAFETY: the handle is bound to `stream`, on which every op of this backend is queued;
+    // the three pointers are live device allocations (borrowed for the duration of this call,
+    // and the work is stream-ordered before any later free) whose lengths were checked above
+    // against the spans the dimensions and strides imply; alpha and beta are host f32 as
+    // CUBLAS_COMPUTE_32F requires (default host pointer mode).
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            n,
+            m,
+            k,
+            (&alpha) as *const f32 as *const _,
+            w_ptr as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            ldw,
+            a_ptr as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            lda,
+            (&beta) as *const f32 as *const _,
+            c_ptr as *mut _,
+            T::CUDA_TYPE,
+            ldc,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(blas_err(format!(
+        "{op}: cublasGemmEx m={} n={} k={} -> {}",
+        g.m,
+        g.n,
+        g.k,
+        T::DTYPE
+    )))
+}
+
+/// The `gemm` op on whole buffers (lengths already checked by `run_*`).
+pub(super) fn run<T: GemmOutElem>(
+    c: &CudaBackend,
+    a: &Buffer<bf16>,
+    w: &Buffer<bf16>,
+    out: &mut Buffer<T>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<()> {
+    gemm_bf16_device(
+        c,
+        OP,
+        a.device(OP, "a")?,
+        w.device(OP, "w")?,
+        out.device_mut(OP, "out")?,
+        &DeviceGemm::contiguous(m, n, k),
+    )
+}

@@ -1,0 +1,182 @@
+#![allow(clippy::needless_range_loop)] // reason: index loops mirror the contract formulas
+
+use super::*;
+use crate::OpsError;
+use proptest::prelude::*;
+
+fn b(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+#[test]
+fn hand_computed_product_uses_out_in_weight_layout() {
+    let be = Backend::cpu();
+    // A = [[1, 2], [3, 4]], W = [[1, 0], [0.5, -1], [2, 2]] (3 output features).
+    let a = be.upload(&b(&[1.0, 2.0, 3.0, 4.0])).expect("upload");
+    let w = be
+        .upload(&b(&[1.0, 0.0, 0.5, -1.0, 2.0, 2.0]))
+        .expect("upload");
+    let mut out = be.filled(6, f32::POISON).expect("alloc");
+    let p = GemmParams { m: 2, n: 3, k: 2 };
+    run_f32(&be, &a, &w, &mut out, &p).expect("run");
+    assert_eq!(
+        be.download(&out).expect("dl"),
+        vec![1.0, -1.5, 6.0, 3.0, -2.5, 14.0]
+    );
+}
+
+#[test]
+fn f32_output_is_unrounded_and_bf16_output_rounds_once_to_nearest_even() {
+    let be = Backend::cpu();
+    let p = GemmParams { m: 1, n: 2, k: 3 };
+    // Row 0 of W sums to 1 + 2^-8 (an exact BF16 tie: RNE keeps 1.0);
+    // row 1 sums to 1 + 2^-8 + 2^-16 (just above the tie: rounds up to 1 + 2^-7).
+    let a = be.upload(&b(&[1.0, 1.0, 1.0])).expect("upload");
+    let w = be
+        .upload(&b(&[
+            1.0,
+            2f32.powi(-8),
+            0.0,
+            1.0,
+            2f32.powi(-8),
+            2f32.powi(-16),
+        ]))
+        .expect("upload");
+    let mut o32 = be.filled(2, f32::POISON).expect("alloc");
+    run_f32(&be, &a, &w, &mut o32, &p).expect("run");
+    assert_eq!(
+        be.download(&o32).expect("dl"),
+        vec![1.0 + 2f32.powi(-8), 1.0 + 2f32.powi(-8) + 2f32.powi(-16)]
+    );
+    let mut o16 = be.filled(2, bf16::POISON).expect("alloc");
+    run_bf16(&be, &a, &w, &mut o16, &p).expect("run");
+    let got: Vec<u16> = be
+        .download(&o16)
+        .expect("dl")
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    assert_eq!(got, vec![0x3f80, 0x3f81]);
+}
+
+#[test]
+fn bf16_from_f64_rounds_once_not_twice() {
+    use reference::bf16_from_f64;
+    // 1 + 2^-8 + 2^-40: f64 -> f32 would round to the tie 1 + 2^-8 and then to 1.0; the
+    // correct single rounding is up, to 1 + 2^-7.
+    let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
+    assert_eq!(bf16_from_f64(x).to_bits(), 0x3f81);
+    assert_eq!(bf16_from_f64(-x).to_bits(), 0xbf81);
+    assert_eq!(bf16_from_f64(1.0 + 2f64.powi(-8)).to_bits(), 0x3f80);
+    assert_eq!(bf16_from_f64(1.0 + 3.0 * 2f64.powi(-8)).to_bits(), 0x3f82);
+    assert_eq!(bf16_from_f64(0.0).to_bits(), 0);
+    assert_eq!(bf16_from_f64(-0.0).to_bits(), 0x8000);
+    assert!(bf16_from_f64(1e39).is_infinite());
+    assert!(bf16_from_f64(f64::NAN).is_nan());
+    // Just below the overflow threshold of bf16 stays finite.
+    assert_eq!(bf16_from_f64(3.389e38).to_bits(), 0x7f7f);
+}
+
+#[test]
+fn bad_shapes_are_refused_without_writing() {
+    let be = Backend::cpu();
+    let a = be.upload(&b(&[1.0; 6])).expect("upload");
+    let w = be.upload(&b(&[1.0; 8])).expect("upload");
+    let mut out = be.filled(8, f32::POISON).expect("alloc");
+    // k = 2 implies a = [3, 2], w = [4, 2], out = [3, 4] = 12 elements: out is short.
+    let e = run_f32(&be, &a, &w, &mut out, &GemmParams { m: 3, n: 4, k: 2 }).expect_err("short");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "out",
+                expected: 12,
+                found: 8,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = run_f32(&be, &a, &w, &mut out, &GemmParams { m: 3, n: 4, k: 0 }).expect_err("k=0");
+    assert!(matches!(e, OpsError::Param { param: "k", .. }), "{e}");
+    let e = run_f32(&be, &a, &w, &mut out, &GemmParams { m: 2, n: 4, k: 3 }).expect_err("w");
+    assert!(matches!(e, OpsError::Length { tensor: "w", .. }), "{e}");
+    assert!(
+        be.download(&out)
+            .expect("dl")
+            .iter()
+            .all(|x| x.to_bits() == f32::POISON.to_bits())
+    );
+}
+
+#[test]
+fn empty_product_writes_nothing_and_succeeds() {
+    let be = Backend::cpu();
+    let a = be.upload::<bf16>(&[]).expect("upload");
+    let w = be.upload(&b(&[1.0; 4])).expect("upload");
+    let mut out = be.filled::<f32>(0, f32::POISON).expect("alloc");
+    run_f32(&be, &a, &w, &mut out, &GemmParams { m: 0, n: 2, k: 2 }).expect("m = 0");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Against an independent triple loop in f64, in a different summation order (reversed).
+    #[test]
+    fn matches_plain_f64_triple_loop(
+        m in 1usize..6, n in 1usize..9, k in 1usize..40, seed in any::<u64>(), bf in any::<bool>()
+    ) {
+        let be = Backend::cpu();
+        // Multiples of 1/16 in [-3, 3] and of 1/64 in [-1, 1]: exact in BF16, and every partial
+        // sum is a multiple of 2^-10 below 2^7 in magnitude, so any summation order is exact.
+        let mut g = data::SplitMix::new(seed);
+        let a: Vec<bf16> =
+            (0..m * k).map(|_| bf16::from_f32((g.below(97) as f32 - 48.0) / 16.0)).collect();
+        let w: Vec<bf16> =
+            (0..n * k).map(|_| bf16::from_f32((g.below(129) as f32 - 64.0) / 64.0)).collect();
+        let ab = be.upload(&a).expect("upload");
+        let wb = be.upload(&w).expect("upload");
+        let p = GemmParams { m, n, k };
+        let mut want = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0f64;
+                for l in (0..k).rev() {
+                    s += f64::from(a[i * k + l].to_f32()) * f64::from(w[j * k + l].to_f32());
+                }
+                want[i * n + j] = s;
+            }
+        }
+        if bf {
+            let mut o = be.filled(m * n, bf16::POISON).expect("alloc");
+            run_bf16(&be, &ab, &wb, &mut o, &p).expect("run");
+            for (got, want) in be.download(&o).expect("dl").iter().zip(&want) {
+                prop_assert_eq!(got.to_bits(), reference::bf16_from_f64(*want).to_bits());
+            }
+        } else {
+            let mut o = be.filled(m * n, f32::POISON).expect("alloc");
+            run_f32(&be, &ab, &wb, &mut o, &p).expect("run");
+            for (got, want) in be.download(&o).expect("dl").iter().zip(&want) {
+                prop_assert_eq!(got.to_bits(), (*want as f32).to_bits());
+            }
+        }
+    }
+
+    /// Threaded reference blocks reassemble in the right place for every n.
+    #[test]
+    fn matmul_f64_is_independent_of_thread_split(n in 1usize..70, seed in any::<u64>()) {
+        let mut g = data::SplitMix::new(seed);
+        let (m, k) = (3, 5);
+        let a = g.bf16_vec(m * k, -1.0, 1.0);
+        let w = g.bf16_vec(n * k, -1.0, 1.0);
+        let c = reference::matmul_f64(&a, &w, m, n, k);
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k)
+                    .map(|l| f64::from(a[i * k + l].to_f32()) * f64::from(w[j * k + l].to_f32()))
+                    .sum();
+                prop_assert_eq!(c[i * n + j], s);
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+#![allow(clippy::needless_range_loop)] // reason: index loops mirror the contract formulas
+
+use super::*;
+use proptest::prelude::*;
+
+fn hnr(x: &[f32], w: &[bf16], start: &[i32], p: &HeadNormRopeParams) -> Result<Vec<bf16>> {
+    let be = Backend::cpu();
+    let xb = be.upload(x)?;
+    let wb = be.upload(w)?;
+    let sb = be.upload(start)?;
+    let mut out = be.filled(x.len(), bf16::POISON)?;
+    run(&be, &xb, &wb, &sb, &mut out, p)?;
+    be.download(&out)
+}
+
+fn params(rows: usize, cols: usize, heads: usize, d: usize) -> HeadNormRopeParams {
+    HeadNormRopeParams {
+        rows,
+        cols,
+        heads,
+        head_dim: d,
+        eps: 0.0,
+        theta: 1e7,
+    }
+}
+
+#[test]
+fn hand_computed_norm_and_rotation() {
+    // D = 2, x = [3, 4], w = [1, 0.5], eps 0: rms = sqrt(12.5), n = [0.84852814, 0.56568542].
+    // Column 0 at position 0: identity -> bf16 [0.84765625 (0x3f59), 0.56640625 (0x3f11)].
+    // Column 1 at position 1 (angle 1 rad, inv_freq_0 = 1):
+    //   [n0 cos1 - n1 sin1, n1 cos1 + n0 sin1] = [-0.01754616, 1.0196529]
+    //   -> bf16 [-0.017578125 (0xbc90), 1.0234375 (0x3f83)].
+    let w = [bf16::from_f32(1.0), bf16::from_f32(0.5)];
+    let out = hnr(&[3.0, 4.0, 3.0, 4.0], &w, &[0], &params(1, 2, 1, 2)).expect("run");
+    let bits: Vec<u16> = out.iter().map(|x| x.to_bits()).collect();
+    assert_eq!(bits, vec![0x3f59, 0x3f11, 0xbc90, 0x3f83]);
+}
+
+#[test]
+fn angle_is_formed_and_reduced_in_f64_at_large_positions() {
+    // At position 2e9 + 5 an f32 product p * inv_freq would be off by ~100 rad; the f64
+    // reduction keeps the rotation exact enough that the result equals the direct f64 one.
+    let pos: i64 = 2_000_000_005;
+    let a = reference::rope_angle(pos, 0, 2, 1e7);
+    let direct = (pos as f64).rem_euclid(reference::TWO_PI);
+    assert!((a - direct).abs() < 1e-6, "{a} vs {direct}");
+    let w = [bf16::from_f32(1.0); 2];
+    let out = hnr(&[1.0, 0.0], &w, &[2_000_000_005], &params(1, 1, 1, 2)).expect("run");
+    // n = [sqrt(2), 0] -> out = sqrt(2) [cos p, sin p].
+    let (s, c) = (pos as f64).sin_cos();
+    let want = [2f64.sqrt() * c, 2f64.sqrt() * s];
+    for (o, w) in out.iter().zip(want) {
+        assert!(
+            (f64::from(o.to_f32()) - w).abs() <= w.abs() * 2f64.powi(-8) + 1e-6,
+            "{o} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn bad_inputs_are_refused_without_writing() {
+    let be = Backend::cpu();
+    let x = be.upload(&[1.0f32; 8]).expect("up");
+    let w = be.upload(&[bf16::ONE; 4]).expect("up");
+    let mut out = be.filled(8, bf16::POISON).expect("alloc");
+    let sp = be.upload(&[0, -1]).expect("up");
+    let e = run(&be, &x, &w, &sp, &mut out, &params(2, 1, 1, 4)).expect_err("negative pos");
+    assert!(
+        matches!(
+            e,
+            OpsError::Value {
+                tensor: "start_pos",
+                index: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let sp = be.upload(&[0, 0]).expect("up");
+    let e = run(&be, &x, &w, &sp, &mut out, &params(2, 1, 1, 3)).expect_err("odd D");
+    assert!(
+        matches!(
+            e,
+            OpsError::Param {
+                param: "head_dim",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = run(&be, &x, &w, &sp, &mut out, &params(2, 1, 2, 4)).expect_err("x short");
+    assert!(matches!(e, OpsError::Length { tensor: "x", .. }), "{e}");
+    let mut p = params(2, 1, 1, 4);
+    p.theta = 0.0;
+    let e = run(&be, &x, &w, &sp, &mut out, &p).expect_err("theta");
+    assert!(matches!(e, OpsError::Param { param: "theta", .. }), "{e}");
+    assert!(
+        be.download(&out)
+            .expect("dl")
+            .iter()
+            .all(|v| v.to_bits() == bf16::POISON.to_bits())
+    );
+    run(&be, &x, &w, &sp, &mut out, &params(2, 1, 1, 4)).expect("valid");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Against an independent f64 recomputation (unreduced angle, direct sin/cos): every
+    /// output within one BF16 rounding of the exact value.
+    #[test]
+    fn matches_plain_f64_recomputation(
+        seed in any::<u64>(),
+        rows in 1usize..3,
+        cols in 1usize..4,
+        heads in 1usize..3,
+        half_d in 1usize..9,
+        starts in proptest::collection::vec(0i32..i32::MAX - 8, 2),
+    ) {
+        let d = 2 * half_d;
+        let mut g = SplitMix::new(seed);
+        let x: Vec<f32> = (0..rows * cols * heads * d).map(|_| g.range(-5.0, 5.0) as f32).collect();
+        let w = g.bf16_vec(d, -2.0, 2.0);
+        let p = HeadNormRopeParams { rows, cols, heads, head_dim: d, eps: 1e-6, theta: 1e7 };
+        let out = hnr(&x, &w, &starts[..rows], &p).expect("run");
+        for r in 0..rows {
+            for c in 0..cols {
+                let pos = i64::from(starts[r]) + c as i64;
+                for h in 0..heads {
+                    let base = ((r * cols + c) * heads + h) * d;
+                    let xs: Vec<f64> = x[base..base + d].iter().map(|&v| f64::from(v)).collect();
+                    let rms = (xs.iter().map(|v| v * v).sum::<f64>() / d as f64 + 1e-6f32 as f64).sqrt();
+                    let n: Vec<f64> = (0..d).map(|j| f64::from(w[j].to_f32()) * xs[j] / rms).collect();
+                    for j in 0..half_d {
+                        let ang = pos as f64 * 1e7f64.powf(-((2 * j) as f64) / d as f64);
+                        let (s, cs) = ang.sin_cos();
+                        let want = [n[j] * cs - n[j + half_d] * s, n[j + half_d] * cs + n[j] * s];
+                        for (e, jj) in want.iter().zip([j, j + half_d]) {
+                            let got = f64::from(out[base + jj].to_f32());
+                            // One BF16 ulp of the exact value, plus the f64 angle error at
+                            // |pos| < 2^31 (about 2^31 * 2^-53 rad) times |n|.
+                            let tol = e.abs() * 2f64.powi(-7) + 1e-6;
+                            prop_assert!((got - e).abs() <= tol, "{} vs {}", got, e);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rotation preserves each pair's norm (up to the two BF16 roundings), and position 0 is
+    /// the identity after the norm.
+    #[test]
+    fn rotation_preserves_pair_norms_and_position_zero_is_identity(
+        seed in any::<u64>(), pos in 0i32..1_000_000, half_d in 1usize..65,
+    ) {
+        let d = 2 * half_d;
+        let mut g = SplitMix::new(seed);
+        let x: Vec<f32> = (0..d).map(|_| g.range(-3.0, 3.0) as f32).collect();
+        let w = g.bf16_vec(d, 0.5, 1.5);
+        let p = HeadNormRopeParams { rows: 2, cols: 1, heads: 1, head_dim: d, eps: 1e-6, theta: 1e7 };
+        let mut xx = x.clone();
+        xx.extend_from_slice(&x);
+        let out = hnr(&xx, &w, &[0, pos], &p).expect("run");
+        let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / d as f64 + 1e-6f32 as f64).sqrt();
+        let n: Vec<f64> = (0..d).map(|j| f64::from(w[j].to_f32()) * f64::from(x[j]) / rms).collect();
+        for j in 0..d {
+            prop_assert_eq!(out[j], crate::gemm::reference::bf16_from_f64(n[j]));
+        }
+        for j in 0..half_d {
+            let before = n[j].hypot(n[j + half_d]);
+            let after = f64::from(out[d + j].to_f32()).hypot(f64::from(out[d + j + half_d].to_f32()));
+            prop_assert!((after - before).abs() <= before * 2f64.powi(-8) + 1e-12, "{} vs {}", after, before);
+        }
+    }
+}

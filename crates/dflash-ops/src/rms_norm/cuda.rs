@@ -1,0 +1,73 @@
+//! CUDA launcher of `rms_norm` (kernels/rms_norm.cu); also used by `feature_projection`.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use crate::cuda::{CudaBackend, cuda_err};
+use crate::{Element, OpsError, Result};
+
+use super::OP;
+
+const SOURCE: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../kernels/rms_norm.cu"
+));
+
+/// Threads per row block.
+const THREADS: u32 = 256;
+
+/// An input element type of the norm kernels.
+pub(crate) trait RmsInput: Element {
+    /// The kernel reading this input type.
+    const KERNEL: &'static str;
+}
+
+impl RmsInput for bf16 {
+    const KERNEL: &'static str = "rms_norm_bf16";
+}
+
+impl RmsInput for f32 {
+    const KERNEL: &'static str = "rms_norm_f32";
+}
+
+/// Queue the norm of `rows` rows of `h` elements: `y = bf16_rne(w * x / sqrt(mean(x^2)+eps))`.
+/// The caller has checked `x.len() >= rows*h`, `w.len() >= h`, `y.len() >= rows*h`; `caller`
+/// names the op in errors.
+pub(crate) fn launch<T: RmsInput>(
+    c: &CudaBackend,
+    caller: &'static str,
+    x: &CudaSlice<T>,
+    w: &CudaSlice<bf16>,
+    y: &mut CudaSlice<bf16>,
+    rows: usize,
+    h: usize,
+    eps: f32,
+) -> Result<()> {
+    if rows == 0 || h == 0 {
+        return Ok(());
+    }
+    let too_big = |param: &'static str, v: usize| OpsError::Param {
+        op: caller,
+        param,
+        expected: "at most i32::MAX on CUDA".into(),
+        found: v.to_string(),
+    };
+    let grid = i32::try_from(rows).map_err(|_| too_big("rows", rows))? as u32;
+    let h_i = i32::try_from(h).map_err(|_| too_big("hidden", h))?;
+    let f = c.function(OP, SOURCE, T::KERNEL)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = c.stream().launch_builder(&f);
+    b.arg(x);
+    b.arg(w);
+    b.arg(y);
+    b.arg(&h_i);
+    b.arg(&eps);
+    // SAFETY: argument types and order match rms_norm_bf16 / rms_norm_f32; the caller checked
+    // every length; each block touches only its own row.
+    unsafe { b.launch(cfg) }.map_err(cuda_err(format!("{caller}: launching {}", T::KERNEL)))?;
+    Ok(())
+}

@@ -1,0 +1,142 @@
+#![allow(clippy::needless_range_loop)] // reason: index loops mirror the contract formulas
+
+use super::*;
+use crate::gemm::reference::bf16_from_f64;
+use proptest::prelude::*;
+
+fn b(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn norm(x: &[bf16], w: &[bf16], rows: usize, eps: f32) -> Vec<bf16> {
+    let be = Backend::cpu();
+    let xb = be.upload(x).expect("upload");
+    let wb = be.upload(w).expect("upload");
+    let mut y = be.filled(x.len(), bf16::POISON).expect("alloc");
+    let p = RmsNormParams {
+        rows,
+        hidden: w.len(),
+        eps,
+    };
+    run(&be, &xb, &wb, &mut y, &p).expect("run");
+    be.download(&y).expect("dl")
+}
+
+#[test]
+fn hand_computed_row_is_plain_not_zero_centred() {
+    // x = [3, 4], w = [1, 2], eps 0: rms = sqrt(12.5) = 3.5355339;
+    // y = [0.84852814, 2.2627417] -> bf16 RNE [0.84765625 (0x3f59), 2.265625 (0x4011)].
+    assert_eq!(
+        bits(&norm(&b(&[3.0, 4.0]), &b(&[1.0, 2.0]), 1, 0.0)),
+        vec![0x3f59, 0x4011]
+    );
+    // A zero weight gives zero (plain `w * ...`; a zero-centred norm would give x / rms).
+    assert_eq!(bits(&norm(&b(&[3.0, 4.0]), &b(&[0.0, 1.0]), 1, 0.0))[0], 0);
+}
+
+#[test]
+fn power_of_two_scaling_of_a_row_is_invisible_with_zero_eps() {
+    let mut g = SplitMix::new(4);
+    let x = g.bf16_vec(37, -1.0, 1.0);
+    let x4: Vec<bf16> = x.iter().map(|v| bf16::from_f32(v.to_f32() * 4.0)).collect();
+    let w = g.bf16_vec(37, -2.0, 2.0);
+    assert_eq!(bits(&norm(&x, &w, 1, 0.0)), bits(&norm(&x4, &w, 1, 0.0)));
+}
+
+#[test]
+fn f32_and_bf16_inputs_agree_on_representable_values() {
+    let be = Backend::cpu();
+    let mut g = SplitMix::new(5);
+    let x = g.bf16_vec(3 * 20, -3.0, 3.0);
+    let w = g.bf16_vec(20, -1.0, 1.0);
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let p = RmsNormParams {
+        rows: 3,
+        hidden: 20,
+        eps: 1e-6,
+    };
+    let (xfb, wb) = (be.upload(&xf).expect("up"), be.upload(&w).expect("up"));
+    let mut y = be.filled(60, bf16::POISON).expect("alloc");
+    run_f32(&be, &xfb, &wb, &mut y, &p).expect("run");
+    assert_eq!(
+        bits(&be.download(&y).expect("dl")),
+        bits(&norm(&x, &w, 3, 1e-6))
+    );
+}
+
+#[test]
+fn bad_inputs_are_refused_without_writing() {
+    let be = Backend::cpu();
+    let x = be.upload(&b(&[1.0; 6])).expect("up");
+    let w = be.upload(&b(&[1.0; 3])).expect("up");
+    let mut y = be.filled(6, bf16::POISON).expect("alloc");
+    let p = |rows, hidden, eps| RmsNormParams { rows, hidden, eps };
+    let e = run(&be, &x, &w, &mut y, &p(3, 3, 1e-6)).expect_err("x short");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "x",
+                expected: 9,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = run(&be, &x, &w, &mut y, &p(2, 3, f32::NAN)).expect_err("eps");
+    assert!(matches!(e, OpsError::Param { param: "eps", .. }), "{e}");
+    let e = run(&be, &x, &w, &mut y, &p(6, 0, 1e-6)).expect_err("hidden 0");
+    assert!(
+        matches!(
+            e,
+            OpsError::Param {
+                param: "hidden",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut short = be.filled(5, bf16::POISON).expect("alloc");
+    let e = run(&be, &x, &w, &mut short, &p(2, 3, 1e-6)).expect_err("y short");
+    assert!(matches!(e, OpsError::Length { tensor: "y", .. }), "{e}");
+    assert!(
+        be.download(&y)
+            .expect("dl")
+            .iter()
+            .all(|v| v.to_bits() == bf16::POISON.to_bits())
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Against an independent f64 recomputation (reversed summation), exact bits: grid inputs
+    /// make the sum of squares exact in any order.
+    #[test]
+    fn matches_plain_f64_recomputation(seed in any::<u64>(), rows in 1usize..4, h in 1usize..50) {
+        let mut g = SplitMix::new(seed);
+        let x: Vec<bf16> = (0..rows * h).map(|_| bf16::from_f32((g.below(97) as f32 - 48.0) / 16.0)).collect();
+        let w = g.bf16_vec(h, -2.0, 2.0);
+        let y = norm(&x, &w, rows, 1e-6);
+        for r in 0..rows {
+            let row: Vec<f64> = x[r * h..(r + 1) * h].iter().map(|v| f64::from(v.to_f32())).collect();
+            let ss: f64 = row.iter().rev().map(|v| v * v).sum();
+            let rms = (ss / h as f64 + f64::from(1e-6f32)).sqrt();
+            for j in 0..h {
+                let want = f64::from(w[j].to_f32()) * row[j] / rms;
+                let got = f64::from(y[r * h + j].to_f32());
+                // Division vs multiplication by the reciprocal differ in the last f64 bit:
+                // allow the neighbouring BF16 value only when the exact value is that close.
+                let exact = bf16_from_f64(want);
+                prop_assert!(
+                    y[r * h + j] == exact || (got - want).abs() <= want.abs() * 2f64.powi(-8) * (1.0 + 1e-12),
+                    "row {} j {}: {} vs {}", r, j, got, want
+                );
+            }
+        }
+    }
+}
