@@ -1,1 +1,863 @@
-//! dflash-verify (under construction).
+//! `dflash-verify`: what an engine calls after the target's verify forward. It turns the
+//! target's per-column logits into the processed target distributions, verifies every row's
+//! proposal chain against them (greedy, or stochastic with the actual proposal q), and returns
+//! each row's [`RoundOutcome`].
+//!
+//! # The round (specification, "verification")
+//!
+//! A row is one request with frontier `F` (positions `[0, F)` processed), anchor `a = x_F` and
+//! `P` proposals `d_1 .. d_P` (`0 <= P <= K = W - 1`). The target verified the `Q = P + 1` live
+//! columns `[a, d_1, .., d_P]` at positions `F .. F + P`; column `i` predicts position
+//! `F + 1 + i`. For every live column `i` the processed target distribution `p_i` is (the
+//! `target_distribution` op of `dflash-ops`, whose contract fixes every rounding point):
+//!
+//! - public vocabulary mask (rows `>= public_vocab` get probability 0);
+//! - penalties (repetition, frequency, presence) from the counts of the row's [`TokenHistory`]
+//!   (prompt and published tokens through the anchor) **plus `d_1 ..= d_i`**: the accepted
+//!   proposals are added to the history as the scan advances;
+//! - temperature (`<= 0`: greedy, `p_i` is the one-hot argmax, ties to the lowest id), then
+//!   top-k, top-p, min-p.
+//!
+//! Acceptance (the `chain_accept` op): for `i = 0, 1, ..` test `d_(i+1)` against `p_i` with
+//! probability `min(1, p_i(d) / q_i(d))`; at the first rejection emit the correction drawn from
+//! `max(p_i - q_i, 0)` (normalized); if all `P` are accepted emit the bonus drawn from `p_P`.
+//! `q_i` is the actual proposal distribution: one-hot at `d_(i+1)` for DFlash
+//! ([`ProposalKind::OneHot`]), the retained FP32 conditional q over 16 global candidate ids for
+//! DFlash2 ([`ProposalKind::Top16`], [`RetainedQ`]). With a greedy target this is exactly greedy
+//! verification: accept the matching argmax prefix, then the argmax as correction or bonus.
+//!
+//! The outcome licenses `y = [d_1, .., d_A, correction_or_bonus]`, `L = A + 1` outputs. Output
+//! `j` (1-based) continues from verify column `j - 1`
+//! ([`RoundOutcome::continuation_column`]): committing `N` outputs commits the `N` target input
+//! rows `[a, d_1, .., d_(N-1)]`, whose last column `N - 1` holds the continuation hidden/features.
+//!
+//! # Random draws (the RNG identity of `dflash_ops::rng`)
+//!
+//! Every draw is `rng::uniform(seed, position, purpose, 0)` with the row's own seed; the batch
+//! row, the batch size and the other rows never enter it, so a row's outcome is a function of
+//! that row's inputs alone.
+//!
+//! | draw | purpose | position | sub |
+//! |---|---|---|---|
+//! | acceptance test of `d_(i+1)` (predicts position `F+1+i`), `i = 0..A` (`A+1` tests when a rejection stops the scan) | `Accept` (2) | `F+1+i` | 0 |
+//! | correction after rejecting `d_(A+1)` | `Correction` (3) | `F+1+A` | 0 |
+//! | bonus after accepting all `P` | `Bonus` (4) | `F+P+1` | 0 |
+//!
+//! So the token emitted for position `t` is always drawn at position `t`. The DFlash2
+//! selector's own draw for position `F+1+i` uses `(F+i, Dflash2Proposal)`, and plain decoding
+//! of position `t` uses `(t, Decode)`: no draw of a round ever reuses another decision's
+//! counter.
+//!
+//! # Device use
+//!
+//! [`VerifyWorkspace`] holds every device buffer of the round, sized once for
+//! `(B, W, vocab_rows)`; a call writes the round's metadata (live counts, proposals, q and
+//! ids, settings, seeds, frontiers, history counts) into it, runs the two ops and reads back
+//! only the outcome (`B * (W + 2)` integers). History counts are synchronized incrementally:
+//! the workspace keeps a host mirror of each row slot's device counts and rewrites only the
+//! changed id range of a slot. A batch of fewer than `B` rows is padded to `B` (padding rows
+//! verify one greedy column and are discarded); because the ops take exact shapes, its logits
+//! are copied into a workspace-owned `[B, W, vocab_rows]` buffer, allocated at the first short
+//! batch and reused afterwards.
+//!
+//! # Validation
+//!
+//! Everything is checked before anything is written ([`VerifyError`]): shapes, `P <= K`,
+//! token ids (below the vocabulary rows and public), the history (length `F + 1`, last token
+//! = anchor), settings, every retained q (finite, `>= 0`, sum within [`Q_SUM_TOLERANCE`] of 1,
+//! distinct ids, the proposal among them with `q > 0`) and, on the CPU backend, the logits
+//! (no NaN or `+inf` public logit, at least one finite public logit per live column). On the
+//! CUDA backend the logits are the caller's guarantee (reading them back would stall the
+//! stream); the ops clamp so that they never access out of bounds.
+
+#![deny(missing_docs)]
+
+mod error;
+mod history;
+
+pub use error::{QFault, Result, TokenRole, VerifyError};
+pub use history::{MAX_COUNT, TokenHistory};
+
+pub use dflash_ops::target_distribution::Settings as SamplingSettings;
+
+use dflash_ops::target_distribution::{self, SamplingBuffers};
+use dflash_ops::{Backend, Buffer, chain_accept};
+
+/// Retained candidates per DFlash2 proposal column.
+pub const TOP: usize = chain_accept::TOP;
+
+/// Largest `|sum(q) - 1|` (f64 sum of the 16 f32 values) accepted for a retained q. The
+/// selector's softmax rounds each of 16 values once to f32 (relative error `2^-24`) and sums
+/// them in f32, so a genuine q is within about `2e-6` of 1; `1e-4` leaves ample room while
+/// still refusing unnormalized scores or a truncated distribution.
+pub const Q_SUM_TOLERANCE: f64 = 1e-4;
+
+/// Which proposal distribution the rows of a workspace carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProposalKind {
+    /// DFlash: per-column argmax proposals, q a point mass at the proposal.
+    OneHot,
+    /// DFlash2: the conditional selector's retained FP32 q over 16 global candidate ids.
+    Top16,
+}
+
+impl ProposalKind {
+    fn name(self) -> &'static str {
+        match self {
+            ProposalKind::OneHot => "one-hot (DFlash)",
+            ProposalKind::Top16 => "top-16 (DFlash2)",
+        }
+    }
+}
+
+/// The retained proposal distribution of one proposal column (DFlash2): `q[s]` is the
+/// probability of global token `ids[s]`. The q that proposed `d_(i+1)` is the row's
+/// `i`-th [`RetainedQ`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RetainedQ {
+    /// Global candidate token ids, distinct, public.
+    pub ids: [u32; TOP],
+    /// FP32 probabilities, finite, `>= 0`, summing to 1 (within [`Q_SUM_TOLERANCE`]).
+    pub q: [f32; TOP],
+}
+
+/// A row's proposal distribution.
+#[derive(Clone, Copy, Debug)]
+pub enum ProposalDist<'a> {
+    /// One-hot q (DFlash).
+    OneHot,
+    /// One retained q per proposal (DFlash2), `P` entries.
+    Top16(&'a [RetainedQ]),
+}
+
+impl ProposalDist<'_> {
+    fn kind(&self) -> ProposalKind {
+        match self {
+            ProposalDist::OneHot => ProposalKind::OneHot,
+            ProposalDist::Top16(_) => ProposalKind::Top16,
+        }
+    }
+}
+
+/// One row of a verification batch: one request after its verify forward.
+#[derive(Clone, Copy, Debug)]
+pub struct VerifyRow<'a> {
+    /// The anchor `a = x_F` (the last token of `history`).
+    pub anchor: u32,
+    /// The proposals `d_1 .. d_P` that were verified (`P <= K`).
+    pub proposals: &'a [u32],
+    /// Their proposal distribution.
+    pub dist: ProposalDist<'a>,
+    /// The request's sampling settings (temperature `<= 0` is greedy).
+    pub settings: SamplingSettings,
+    /// The request seed (the key of every draw).
+    pub seed: u64,
+    /// The frontier `F` (the anchor's position).
+    pub frontier: u64,
+    /// Tokens `x_0 ..= x_F` (see [`TokenHistory`]).
+    pub history: &'a TokenHistory,
+}
+
+/// What a licensed output is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OutputKind {
+    /// An accepted proposal.
+    Accepted,
+    /// The target's correction after the first rejection.
+    Correction,
+    /// The bonus token after every proposal was accepted.
+    Bonus,
+}
+
+/// The outcome of one row's round: `A` accepted proposals and the `L = A + 1` licensed outputs
+/// `y_1 .. y_L = [d_1, .., d_A, correction_or_bonus]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoundOutcome {
+    accepted: usize,
+    proposals: usize,
+    outputs: Vec<u32>,
+}
+
+impl RoundOutcome {
+    /// `A`, the accepted proposals.
+    pub fn accepted(&self) -> usize {
+        self.accepted
+    }
+
+    /// `P`, the proposals that were verified.
+    pub fn proposals(&self) -> usize {
+        self.proposals
+    }
+
+    /// `y_1 .. y_L`.
+    pub fn outputs(&self) -> &[u32] {
+        &self.outputs
+    }
+
+    /// `L = A + 1` (never 0).
+    pub fn len(&self) -> usize {
+        self.outputs.len()
+    }
+
+    /// Always false: a round licenses at least one output.
+    pub fn is_empty(&self) -> bool {
+        self.outputs.is_empty()
+    }
+
+    /// The kind of the last output: [`OutputKind::Bonus`] when all `P` were accepted,
+    /// otherwise [`OutputKind::Correction`].
+    pub fn last_kind(&self) -> OutputKind {
+        if self.accepted == self.proposals {
+            OutputKind::Bonus
+        } else {
+            OutputKind::Correction
+        }
+    }
+
+    /// The kind of output `j` (1-based, `1..=L`); `None` outside.
+    pub fn kind(&self, j: usize) -> Option<OutputKind> {
+        match j {
+            0 => None,
+            j if j <= self.accepted => Some(OutputKind::Accepted),
+            j if j == self.accepted + 1 => Some(self.last_kind()),
+            _ => None,
+        }
+    }
+
+    /// The verify column whose captured hidden/features continue the sequence after
+    /// committing `j` outputs (`j` in `1..=L`): `j - 1`. `None` outside `1..=L`.
+    pub fn continuation_column(&self, j: usize) -> Option<usize> {
+        (1..=self.len()).contains(&j).then(|| j - 1)
+    }
+}
+
+/// The static shape of a [`VerifyWorkspace`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VerifyShape {
+    /// Row capacity B (the most requests one call verifies).
+    pub max_rows: usize,
+    /// Verify columns W = K + 1 (the logits' column axis).
+    pub cols: usize,
+    /// Vocabulary rows of the logits (padded vocabulary, e.g. 248320).
+    pub vocab_rows: usize,
+    /// Public vocabulary (e.g. 248077).
+    pub public_vocab: usize,
+    /// The proposal distribution every row carries.
+    pub kind: ProposalKind,
+}
+
+/// Device buffers of the round plus their host staging, sized once for a [`VerifyShape`].
+#[derive(Debug)]
+pub struct VerifyWorkspace {
+    shape: VerifyShape,
+    live: Buffer<i32>,
+    counts: Buffer<i32>,
+    proposals: Buffer<i32>,
+    q: Buffer<f32>,
+    ids: Buffer<i32>,
+    sampling: SamplingBuffers,
+    seeds: Buffer<i32>,
+    start_pos: Buffer<i32>,
+    p: Buffer<f32>,
+    accepted: Buffer<i32>,
+    out_tokens: Buffer<i32>,
+    out_len: Buffer<i32>,
+    /// `[B, W, V]` copy of a short batch's logits (allocated at the first short batch).
+    padded_logits: Option<Buffer<f32>>,
+    /// Host mirror of `counts` and, per slot, the ids that are nonzero there.
+    counts_mirror: Vec<i32>,
+    slot_ids: Vec<Vec<u32>>,
+    /// False when a device write of the counts may have failed half-way: the next call
+    /// rewrites every count.
+    counts_synced: bool,
+    staging: Staging,
+}
+
+/// Reused host staging of the per-round metadata.
+#[derive(Debug, Default)]
+struct Staging {
+    live: Vec<i32>,
+    proposals: Vec<i32>,
+    q: Vec<f32>,
+    ids: Vec<i32>,
+    temperature: Vec<f32>,
+    top_k: Vec<i32>,
+    top_p: Vec<f32>,
+    min_p: Vec<f32>,
+    rep: Vec<f32>,
+    freq: Vec<f32>,
+    pres: Vec<f32>,
+    seeds: Vec<i32>,
+    start_pos: Vec<i32>,
+}
+
+fn shape_err(param: &'static str, found: usize, expected: String) -> VerifyError {
+    VerifyError::Shape {
+        param,
+        found,
+        expected,
+    }
+}
+
+impl VerifyWorkspace {
+    /// Allocate every buffer for `shape` on `be`.
+    pub fn new(be: &Backend, shape: VerifyShape) -> Result<Self> {
+        let VerifyShape {
+            max_rows: b,
+            cols: w,
+            vocab_rows: v,
+            public_vocab,
+            kind,
+        } = shape;
+        let max_cols = target_distribution::MAX_COLS.min(chain_accept::MAX_COLS);
+        if b == 0 || b > u32::MAX as usize {
+            return Err(shape_err("max_rows", b, "1..2^32".into()));
+        }
+        if !(1..=max_cols).contains(&w) {
+            return Err(shape_err("cols", w, format!("1..={max_cols}")));
+        }
+        let max_vocab = target_distribution::MAX_VOCAB.min(chain_accept::MAX_VOCAB);
+        if !(1..=max_vocab).contains(&v) {
+            return Err(shape_err("vocab_rows", v, format!("1..={max_vocab}")));
+        }
+        if !(1..=v).contains(&public_vocab) {
+            return Err(shape_err(
+                "public_vocab",
+                public_vocab,
+                format!("1..=vocab_rows ({v})"),
+            ));
+        }
+        let total = b
+            .checked_mul(w)
+            .and_then(|n| n.checked_mul(v))
+            .ok_or_else(|| shape_err("max_rows", b, "B * W * vocab_rows within usize".into()))?;
+        let k = w - 1;
+        let top_len = if kind == ProposalKind::Top16 {
+            b * k * TOP
+        } else {
+            0
+        };
+        let greedy = vec![SamplingSettings::GREEDY; b];
+        Ok(VerifyWorkspace {
+            shape,
+            live: be.filled(b, 1)?,
+            counts: be.zeros(b * v)?,
+            proposals: be.zeros(b * k)?,
+            q: be.zeros(top_len)?,
+            ids: be.zeros(top_len)?,
+            sampling: SamplingBuffers::upload(be, &greedy)?,
+            seeds: be.zeros(2 * b)?,
+            start_pos: be.zeros(b)?,
+            p: be.zeros(total)?,
+            accepted: be.zeros(b)?,
+            out_tokens: be.zeros(b * w)?,
+            out_len: be.zeros(b)?,
+            padded_logits: None,
+            counts_mirror: vec![0; b * v],
+            slot_ids: vec![Vec::new(); b],
+            counts_synced: true,
+            staging: Staging::default(),
+        })
+    }
+
+    /// The shape the workspace was sized for.
+    pub fn shape(&self) -> &VerifyShape {
+        &self.shape
+    }
+
+    /// The largest frontier a row may have (`F + W` stays below 2^31, the device position
+    /// format).
+    pub fn max_frontier(&self) -> u64 {
+        i32::MAX as u64 - self.shape.cols as u64
+    }
+
+    /// Verify a batch of `rows.len() <= B` rows against the target's logits
+    /// (`[rows.len(), W, vocab_rows]` f32 on `be`, from `Target::verify`; dead columns are
+    /// never read) and return each row's outcome, in row order.
+    ///
+    /// Validates everything first (see the crate docs); a refused call writes nothing. An
+    /// empty batch returns an empty vector.
+    pub fn verify(
+        &mut self,
+        be: &Backend,
+        rows: &[VerifyRow<'_>],
+        logits: &Buffer<f32>,
+    ) -> Result<Vec<RoundOutcome>> {
+        self.validate(be, rows, logits)?;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.stage(be, rows)?;
+        self.launch(be, rows.len(), logits)?;
+        self.read_outcomes(be, rows)
+    }
+
+    fn validate(&self, be: &Backend, rows: &[VerifyRow<'_>], logits: &Buffer<f32>) -> Result<()> {
+        let VerifyShape {
+            max_rows,
+            cols,
+            vocab_rows,
+            public_vocab,
+            ..
+        } = self.shape;
+        let n = rows.len();
+        if n > max_rows {
+            return Err(VerifyError::BatchTooLarge { rows: n, max_rows });
+        }
+        let expected = n * cols * vocab_rows;
+        if logits.len() != expected {
+            return Err(VerifyError::LogitsLength {
+                found: logits.len(),
+                expected,
+                rows: n,
+                cols,
+                vocab_rows,
+            });
+        }
+        for (r, row) in rows.iter().enumerate() {
+            self.validate_row(r, row)?;
+        }
+        if be.is_cpu() && n > 0 {
+            let host = logits.host("dflash-verify", "logits")?;
+            for (r, row) in rows.iter().enumerate() {
+                for i in 0..=row.proposals.len() {
+                    let base = (r * cols + i) * vocab_rows;
+                    let col = &host[base..base + public_vocab];
+                    if let Some(v) = col.iter().position(|x| x.is_nan() || *x == f32::INFINITY) {
+                        return Err(VerifyError::BadLogit {
+                            row: r,
+                            column: i,
+                            token: v,
+                            value: col[v],
+                        });
+                    }
+                    if !col.iter().any(|x| x.is_finite()) {
+                        return Err(VerifyError::BadLogit {
+                            row: r,
+                            column: i,
+                            token: 0,
+                            value: col[0],
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_row(&self, r: usize, row: &VerifyRow<'_>) -> Result<()> {
+        let VerifyShape {
+            cols,
+            vocab_rows,
+            public_vocab,
+            kind,
+            ..
+        } = self.shape;
+        let np = row.proposals.len();
+        if np + 1 > cols {
+            return Err(VerifyError::TooManyProposals {
+                row: r,
+                proposals: np,
+                max: cols - 1,
+            });
+        }
+        if row.dist.kind() != kind {
+            return Err(VerifyError::ProposalKind {
+                row: r,
+                expected: kind.name(),
+                found: row.dist.kind().name(),
+            });
+        }
+        let check_token = |role: TokenRole, t: u32| -> Result<()> {
+            if t as usize >= vocab_rows {
+                Err(VerifyError::TokenOutOfRange {
+                    row: r,
+                    role,
+                    token: t,
+                    vocab_rows,
+                })
+            } else if t as usize >= public_vocab {
+                Err(VerifyError::NonPublicToken {
+                    row: r,
+                    role,
+                    token: t,
+                    public_vocab,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        check_token(TokenRole::Anchor, row.anchor)?;
+        for (j, &d) in row.proposals.iter().enumerate() {
+            check_token(TokenRole::Proposal(j + 1), d)?;
+        }
+        let h = row.history;
+        if h.vocab_rows() != vocab_rows {
+            return Err(VerifyError::HistoryVocab {
+                row: r,
+                expected: vocab_rows,
+                found: h.vocab_rows(),
+            });
+        }
+        if row.frontier > self.max_frontier() {
+            return Err(VerifyError::FrontierTooLarge {
+                row: r,
+                frontier: row.frontier,
+                max: self.max_frontier(),
+            });
+        }
+        if h.len() != row.frontier + 1 {
+            return Err(VerifyError::HistoryLength {
+                row: r,
+                len: h.len(),
+                expected: row.frontier + 1,
+            });
+        }
+        if h.last() != Some(row.anchor) {
+            return Err(VerifyError::AnchorMismatch {
+                row: r,
+                anchor: row.anchor,
+                last: h.last(),
+            });
+        }
+        validate_settings(r, &row.settings)?;
+        if let ProposalDist::Top16(qs) = row.dist {
+            if qs.len() != np {
+                return Err(VerifyError::QColumns {
+                    row: r,
+                    proposals: np,
+                    found: qs.len(),
+                });
+            }
+            for (i, rq) in qs.iter().enumerate() {
+                for (s, &id) in rq.ids.iter().enumerate() {
+                    check_token(TokenRole::Candidate { column: i, slot: s }, id)?;
+                }
+                validate_q(rq, row.proposals[i]).map_err(|fault| {
+                    VerifyError::QNotDistribution {
+                        row: r,
+                        column: i,
+                        fault,
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Write the round's metadata (all rows validated).
+    fn stage(&mut self, be: &Backend, rows: &[VerifyRow<'_>]) -> Result<()> {
+        let VerifyShape {
+            max_rows: b,
+            cols: w,
+            kind,
+            ..
+        } = self.shape;
+        let k = w - 1;
+        let s = &mut self.staging;
+        s.live.clear();
+        s.proposals.clear();
+        s.q.clear();
+        s.ids.clear();
+        s.temperature.clear();
+        s.top_k.clear();
+        s.top_p.clear();
+        s.min_p.clear();
+        s.rep.clear();
+        s.freq.clear();
+        s.pres.clear();
+        s.seeds.clear();
+        s.start_pos.clear();
+        for slot in 0..b {
+            // Padding slots verify one greedy column with every penalty off (their stale counts
+            // then have no effect) and are discarded.
+            let row = rows.get(slot);
+            let np = row.map_or(0, |r| r.proposals.len());
+            s.live.push(np as i32 + 1);
+            for j in 0..k {
+                s.proposals.push(
+                    row.and_then(|r| r.proposals.get(j))
+                        .map_or(0, |&d| d as i32),
+                );
+            }
+            if kind == ProposalKind::Top16 {
+                for j in 0..k {
+                    let rq = row.and_then(|r| match r.dist {
+                        ProposalDist::Top16(qs) => qs.get(j),
+                        ProposalDist::OneHot => None,
+                    });
+                    match rq {
+                        Some(rq) => {
+                            s.q.extend_from_slice(&rq.q);
+                            s.ids.extend(rq.ids.iter().map(|&id| id as i32));
+                        }
+                        None => {
+                            s.q.extend_from_slice(&[0.0; TOP]);
+                            s.ids.extend_from_slice(&[0; TOP]);
+                        }
+                    }
+                }
+            }
+            let st = row.map_or(SamplingSettings::GREEDY, |r| r.settings);
+            s.temperature.push(st.temperature);
+            s.top_k.push(st.top_k);
+            s.top_p.push(st.top_p);
+            s.min_p.push(st.min_p);
+            s.rep.push(st.repetition_penalty);
+            s.freq.push(st.frequency_penalty);
+            s.pres.push(st.presence_penalty);
+            let seed = row.map_or(0, |r| r.seed);
+            s.seeds.push(seed as u32 as i32);
+            s.seeds.push((seed >> 32) as u32 as i32);
+            // Validated: frontier <= max_frontier < 2^31.
+            s.start_pos.push(row.map_or(0, |r| r.frontier as i32));
+        }
+        be.write(&mut self.live, 0, &s.live)?;
+        be.write(&mut self.proposals, 0, &s.proposals)?;
+        if kind == ProposalKind::Top16 {
+            be.write(&mut self.q, 0, &s.q)?;
+            be.write(&mut self.ids, 0, &s.ids)?;
+        }
+        let sb = &mut self.sampling;
+        be.write(&mut sb.temperature, 0, &s.temperature)?;
+        be.write(&mut sb.top_k, 0, &s.top_k)?;
+        be.write(&mut sb.top_p, 0, &s.top_p)?;
+        be.write(&mut sb.min_p, 0, &s.min_p)?;
+        be.write(&mut sb.repetition_penalty, 0, &s.rep)?;
+        be.write(&mut sb.frequency_penalty, 0, &s.freq)?;
+        be.write(&mut sb.presence_penalty, 0, &s.pres)?;
+        be.write(&mut self.seeds, 0, &s.seeds)?;
+        be.write(&mut self.start_pos, 0, &s.start_pos)?;
+        self.sync_counts(be, rows)
+    }
+
+    /// Bring slot `r`'s device counts to `rows[r].history` for every row, rewriting only the
+    /// id range that changed.
+    fn sync_counts(&mut self, be: &Backend, rows: &[VerifyRow<'_>]) -> Result<()> {
+        let v = self.shape.vocab_rows;
+        if !self.counts_synced {
+            self.counts_mirror.fill(0);
+            self.slot_ids.iter_mut().for_each(Vec::clear);
+            be.fill(&mut self.counts, 0)?;
+            self.counts_synced = true;
+        }
+        self.counts_synced = false;
+        for (r, row) in rows.iter().enumerate() {
+            let mirror = &mut self.counts_mirror[r * v..(r + 1) * v];
+            let ids = &mut self.slot_ids[r];
+            let (mut lo, mut hi) = (usize::MAX, 0usize);
+            let mut touch = |id: usize| {
+                lo = lo.min(id);
+                hi = hi.max(id);
+            };
+            for &id in ids.iter() {
+                if row.history.count(id) == 0 {
+                    mirror[id as usize] = 0;
+                    touch(id as usize);
+                }
+            }
+            ids.clear();
+            for (id, c) in row.history.iter() {
+                // Counts are at most MAX_COUNT = i32::MAX (TokenHistory).
+                let c = c as i32;
+                if mirror[id as usize] != c {
+                    mirror[id as usize] = c;
+                    touch(id as usize);
+                }
+                ids.push(id);
+            }
+            if lo <= hi {
+                be.write(&mut self.counts, r * v + lo, &mirror[lo..=hi])?;
+            }
+        }
+        self.counts_synced = true;
+        Ok(())
+    }
+
+    /// Run `target_distribution` and `chain_accept` over all `B` slots.
+    fn launch(&mut self, be: &Backend, n: usize, logits: &Buffer<f32>) -> Result<()> {
+        let VerifyShape {
+            max_rows: b,
+            cols,
+            vocab_rows,
+            public_vocab,
+            kind,
+        } = self.shape;
+        let logits: &Buffer<f32> = if n == b {
+            logits
+        } else {
+            if self.padded_logits.is_none() {
+                self.padded_logits = Some(be.zeros(b * cols * vocab_rows)?);
+            }
+            let padded = self
+                .padded_logits
+                .as_mut()
+                .ok_or_else(|| shape_err("max_rows", b, "a padded logits buffer".into()))?;
+            be.copy(logits, 0, padded, 0, n * cols * vocab_rows)?;
+            padded
+        };
+        target_distribution::run(
+            be,
+            logits,
+            &self.live,
+            &self.counts,
+            &self.proposals,
+            &self.sampling.view(),
+            &mut self.p,
+            &target_distribution::Params {
+                rows: b,
+                cols,
+                vocab: vocab_rows,
+                public_vocab,
+            },
+        )?;
+        let proposal = match kind {
+            ProposalKind::OneHot => chain_accept::Proposal::OneHot,
+            ProposalKind::Top16 => chain_accept::Proposal::Top16 {
+                q: &self.q,
+                ids: &self.ids,
+            },
+        };
+        chain_accept::run(
+            be,
+            &self.p,
+            &self.proposals,
+            &self.live,
+            proposal,
+            &self.seeds,
+            &self.start_pos,
+            chain_accept::Outputs {
+                accepted: &mut self.accepted,
+                out_tokens: &mut self.out_tokens,
+                out_len: &mut self.out_len,
+            },
+            &chain_accept::Params {
+                rows: b,
+                cols,
+                vocab: vocab_rows,
+            },
+        )?;
+        Ok(())
+    }
+
+    fn read_outcomes(&self, be: &Backend, rows: &[VerifyRow<'_>]) -> Result<Vec<RoundOutcome>> {
+        let n = rows.len();
+        let w = self.shape.cols;
+        let public = self.shape.public_vocab;
+        let accepted = be.read(&self.accepted, 0, n)?;
+        let out_len = be.read(&self.out_len, 0, n)?;
+        let tokens = be.read(&self.out_tokens, 0, n * w)?;
+        let mut out = Vec::with_capacity(n);
+        for (r, row) in rows.iter().enumerate() {
+            let np = row.proposals.len();
+            let bad = |reason: String| VerifyError::DeviceOutcome { row: r, reason };
+            let a = usize::try_from(accepted[r])
+                .ok()
+                .filter(|&a| a <= np)
+                .ok_or_else(|| bad(format!("accepted = {} with P = {np}", accepted[r])))?;
+            if out_len[r] != a as i32 + 1 {
+                return Err(bad(format!("out_len = {} with A = {a}", out_len[r])));
+            }
+            let ys = &tokens[r * w..r * w + a + 1];
+            for (j, (&y, &d)) in ys.iter().zip(row.proposals).take(a).enumerate() {
+                if y != d as i32 {
+                    return Err(bad(format!(
+                        "output {} = {y}, proposal d_{} = {d}",
+                        j + 1,
+                        j + 1
+                    )));
+                }
+            }
+            let last = ys[a];
+            if !(last >= 0 && (last as usize) < public) {
+                return Err(bad(format!(
+                    "correction/bonus {last} is not a public token (< {public})"
+                )));
+            }
+            out.push(RoundOutcome {
+                accepted: a,
+                proposals: np,
+                outputs: ys.iter().map(|&y| y as u32).collect(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The settings checks of the `target_distribution` contract, as typed errors.
+fn validate_settings(r: usize, s: &SamplingSettings) -> Result<()> {
+    let bad = |setting: &'static str, value: f64, expected: &'static str| {
+        Err(VerifyError::BadSetting {
+            row: r,
+            setting,
+            value,
+            expected,
+        })
+    };
+    let t = s.temperature;
+    if !(t.is_finite() && t >= 0.0) {
+        return bad("temperature", t.into(), "finite and >= 0 (0 = greedy)");
+    }
+    if s.top_k < 0 {
+        return bad("top_k", s.top_k.into(), ">= 0 (0 = off)");
+    }
+    if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+        return bad("top_p", s.top_p.into(), "in (0, 1] (1 = off)");
+    }
+    if !(0.0..1.0).contains(&s.min_p) {
+        return bad("min_p", s.min_p.into(), "in [0, 1) (0 = off)");
+    }
+    let rep = s.repetition_penalty;
+    if !(rep.is_finite() && rep > 0.0) {
+        return bad("repetition_penalty", rep.into(), "finite and > 0 (1 = off)");
+    }
+    if !s.frequency_penalty.is_finite() {
+        return bad(
+            "frequency_penalty",
+            s.frequency_penalty.into(),
+            "finite (0 = off)",
+        );
+    }
+    if !s.presence_penalty.is_finite() {
+        return bad(
+            "presence_penalty",
+            s.presence_penalty.into(),
+            "finite (0 = off)",
+        );
+    }
+    Ok(())
+}
+
+/// The retained-q checks: finite, non-negative, summing to 1, distinct ids, and the proposal
+/// among the ids with `q > 0`.
+fn validate_q(rq: &RetainedQ, proposal: u32) -> std::result::Result<(), QFault> {
+    for (s, &x) in rq.q.iter().enumerate() {
+        if !x.is_finite() {
+            return Err(QFault::NonFinite { slot: s, value: x });
+        }
+        if x < 0.0 {
+            return Err(QFault::Negative { slot: s, value: x });
+        }
+    }
+    for s in 0..TOP {
+        if let Some(first) = rq.ids[..s].iter().position(|&id| id == rq.ids[s]) {
+            return Err(QFault::DuplicateId {
+                token: rq.ids[s],
+                first,
+                second: s,
+            });
+        }
+    }
+    let sum: f64 = rq.q.iter().map(|&x| f64::from(x)).sum();
+    if (sum - 1.0).abs() > Q_SUM_TOLERANCE {
+        return Err(QFault::Sum { sum });
+    }
+    match rq.ids.iter().position(|&id| id == proposal) {
+        None => Err(QFault::ProposalNotCandidate { token: proposal }),
+        Some(slot) if rq.q[slot] == 0.0 => Err(QFault::ProposalZeroMass {
+            token: proposal,
+            slot,
+        }),
+        Some(_) => Ok(()),
+    }
+}
