@@ -1,6 +1,6 @@
 //! The CUDA conformance runner: every registry case on the GPU against the CPU reference.
 //!
-//! `dflash-conformance [--out DIR] [--only SUBSTRING]`: prints a table, writes
+//! `dflash-conformance [--out DIR] [--only SUBSTRING] [--skip-heavy]`: prints a table, writes
 //! `DIR/conformance.md` and `DIR/conformance.json`. Exit status 0 when every case passes,
 //! 1 when one fails, 3 when there is no usable CUDA device (driver missing, no GPU).
 
@@ -56,6 +56,7 @@ fn run() -> Result<ExitCode> {
     let args: Vec<String> = std::env::args().collect();
     let out_dir = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    let skip_heavy = args.iter().any(|a| a == "--skip-heavy");
     let cuda = match CudaBackend::new(0) {
         Ok(c) => c,
         Err(e) => {
@@ -72,6 +73,9 @@ fn run() -> Result<ExitCode> {
             if !format!("{}/{}", case.op, case.name).contains(o.as_str()) {
                 continue;
             }
+        }
+        if skip_heavy && case.heavy {
+            continue;
         }
         let t0 = Instant::now();
         let reference = (case.run)(&cpu);

@@ -41,13 +41,28 @@ pub(crate) fn threads_for(work: usize) -> usize {
 /// relative error far below any tolerance of this crate (k <= 2^20), so this is the
 /// contract's "naive FP64 evaluation".
 pub(crate) fn matmul_f64(a: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<f64> {
+    // Small products run on the calling thread (spawning costs more than the arithmetic).
+    let threads = if m * n * k < (1 << 22) { 1 } else { threads_for(n) };
+    matmul_f64_threads(a, w, m, n, k, threads)
+}
+
+/// [`matmul_f64`] with an explicit worker count (any count >= 1 gives the same result).
+pub(crate) fn matmul_f64_threads(
+    a: &[bf16],
+    w: &[bf16],
+    m: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) -> Vec<f64> {
     let mut c = vec![0f64; m * n];
     if m == 0 || n == 0 {
         return c;
     }
     let af: Vec<f64> = a[..m * k].iter().map(|x| f64::from(x.to_f32())).collect();
-    let threads = threads_for(n);
-    let chunk = n.div_ceil(threads);
+    let chunk = n.div_ceil(threads.clamp(1, n));
+    // Only as many workers as there are non-empty row ranges (t * chunk < n).
+    let threads = n.div_ceil(chunk);
     // Each thread owns a range of weight rows j and returns the [m, range] block.
     let blocks: Vec<(usize, Vec<f64>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
