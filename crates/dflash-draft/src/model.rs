@@ -1,0 +1,1071 @@
+//! The draft model: loading, context prefill and the block forward (DFlash and DFlash2),
+//! written once over [`dflash_ops::Backend`].
+
+use std::path::Path;
+
+use dflash_config::{
+    Backend as DraftBackend, DraftConfig, Geometry, LayerKind, ParseMode, Startup,
+    TargetTextConfig, validate_pair,
+};
+use dflash_context::{ContextGeometry, ContextHandle, ContextStore, LayerPool, NO_PAGE};
+use dflash_ops::proposal_argmax::{self, ProposalHead as OpsHead};
+use dflash_ops::{
+    Backend, Buffer, bf16, candidate_selector, dynamic_grouped_conv, embedding_gather, gemm,
+    head_norm_rope, residual_add, rms_norm, sliding_window_attention, softmax_attention, swiglu,
+    unary_topk,
+};
+
+use crate::target::{HeadShape, TargetParts};
+use crate::weights::{BindOptions, Checkpoint, DraftWeights, LayerWeights};
+use crate::{DraftError, Result};
+
+/// Candidates per DFlash2 mask column (the selector's top-16).
+pub const TOP_K: usize = unary_topk::TOP_K;
+
+/// A draft model bound to one backend: validated geometry plus weights.
+#[derive(Debug)]
+pub struct DraftModel {
+    be: Backend,
+    geometry: Geometry,
+    weights: DraftWeights,
+}
+
+impl DraftModel {
+    /// Open the checkpoint in `dir`, parse its `config.json` (lenient: unknown fields are
+    /// ignored, every known field validated), validate it against the target's text config,
+    /// check every tensor and bind the weights on `be`.
+    pub fn load(
+        be: &Backend,
+        dir: impl AsRef<Path>,
+        target: &TargetTextConfig,
+        opts: &BindOptions,
+    ) -> Result<Self> {
+        let ck = Checkpoint::open(dir)?;
+        Self::from_checkpoint(be, &ck, target, opts)
+    }
+
+    /// [`DraftModel::load`] from an opened checkpoint.
+    pub fn from_checkpoint(
+        be: &Backend,
+        ck: &Checkpoint,
+        target: &TargetTextConfig,
+        opts: &BindOptions,
+    ) -> Result<Self> {
+        let draft = DraftConfig::from_json_str(ck.config_json(), ParseMode::Lenient)?;
+        let geometry = validate_pair(&draft.value, target)?;
+        let weights = DraftWeights::bind(be, ck, &geometry, opts)?;
+        Ok(DraftModel {
+            be: be.clone(),
+            geometry,
+            weights,
+        })
+    }
+
+    /// A model from weights bound elsewhere (tests, other loaders). The weights' lengths are
+    /// checked by the ops when they run.
+    pub fn from_parts(be: &Backend, geometry: Geometry, weights: DraftWeights) -> Self {
+        DraftModel {
+            be: be.clone(),
+            geometry,
+            weights,
+        }
+    }
+
+    /// The backend the weights live on.
+    pub fn backend(&self) -> &Backend {
+        &self.be
+    }
+
+    /// The validated geometry.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The bound weights.
+    pub fn weights(&self) -> &DraftWeights {
+        &self.weights
+    }
+
+    /// The storage geometry a [`ContextStore`] for this model must have.
+    pub fn context_geometry(&self) -> Result<ContextGeometry> {
+        Ok(ContextGeometry::from_config(&self.geometry)?)
+    }
+
+    fn check_store(&self, store: &ContextStore) -> Result<()> {
+        let want = self.context_geometry()?;
+        if store.geometry() != &want {
+            return Err(DraftError::invalid(
+                "context store geometry",
+                format!("{want:?}"),
+                format!("{:?}", store.geometry()),
+            ));
+        }
+        if store.backend().name() != self.be.name() {
+            return Err(DraftError::invalid(
+                "context store backend",
+                self.be.name(),
+                store.backend().name(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Context prefill: queue `features` (`[T, n_ids*H]` BF16, captured target features of
+    /// positions `F_pending..F_pending+T`, where `F_pending` is the request's pending target
+    /// frontier) and materialize the request's context: feature projection and context norm,
+    /// then every layer's context K/V into the store. No prompt token runs through the
+    /// residual/MLP stack. Calling it once with all T rows or several times with consecutive
+    /// chunks gives the same context.
+    pub fn prefill(
+        &self,
+        store: &mut ContextStore,
+        h: ContextHandle,
+        features: Buffer<bf16>,
+    ) -> Result<()> {
+        self.check_store(store)?;
+        let start = store.pending_target_frontier(h)?;
+        store.push_pending_owned(h, start, features)?;
+        self.materialize(store, h)
+    }
+
+    /// Materialize the request's pending features (before a proposal, a checkpoint, a fork).
+    pub fn materialize(&self, store: &mut ContextStore, h: ContextHandle) -> Result<()> {
+        self.check_store(store)?;
+        store.materialize(h, &self.weights.materialize_weights())?;
+        Ok(())
+    }
+
+    /// Stage, run and read back one round: [`DraftModel::stage`], [`DraftModel::run_block`],
+    /// [`Workspace::read`].
+    pub fn propose(
+        &self,
+        store: &ContextStore,
+        rows: &[RowRequest],
+        target: &TargetParts<'_>,
+        ws: &mut Workspace,
+    ) -> Result<Vec<RowProposal>> {
+        self.stage(store, rows, ws)?;
+        self.run_block(store, target, ws)?;
+        ws.read()
+    }
+
+    /// Write the round's per-row metadata into the workspace's device buffers (a host-to-device
+    /// copy; everything [`DraftModel::run_block`] reads per round lives in those buffers, so a
+    /// captured CUDA graph of `run_block` replays with new rows).
+    ///
+    /// `rows` may hold fewer rows than the workspace; the remaining physical rows repeat the
+    /// last request (computed, never reported). Checks: 1..=workspace rows requests, each
+    /// handle live in `store` with nothing pending and not repeated, anchor below the vocab
+    /// rows, usable count `P <= K`, temperature not NaN, positions within i32.
+    pub fn stage(
+        &self,
+        store: &ContextStore,
+        rows: &[RowRequest],
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        self.check_store(store)?;
+        ws.check_model(self)?;
+        let n = rows.len();
+        if n == 0 || n > ws.rows {
+            return Err(DraftError::invalid(
+                "rows",
+                format!("1..={} (the workspace's rows)", ws.rows),
+                n,
+            ));
+        }
+        let row_err =
+            |row: usize, field: &'static str, expected: String, found: String| DraftError::Row {
+                row,
+                field,
+                expected,
+                found,
+            };
+        let (k, w) = (ws.k, ws.k + 1);
+        let mut frontiers = Vec::with_capacity(n);
+        for (i, r) in rows.iter().enumerate() {
+            let f = store.frontier(r.handle)?;
+            let pending = store.pending(r.handle)?;
+            if pending != 0 {
+                return Err(row_err(
+                    i,
+                    "handle",
+                    "a request whose pending features are materialized".into(),
+                    format!("{pending} pending columns"),
+                ));
+            }
+            if let Some(j) = rows[..i].iter().position(|o| o.handle == r.handle) {
+                return Err(row_err(
+                    i,
+                    "handle",
+                    "each request once per batch".into(),
+                    format!("the handle of row {j}"),
+                ));
+            }
+            if r.anchor as usize >= ws.vocab_rows {
+                return Err(row_err(
+                    i,
+                    "anchor",
+                    format!("a token id below {}", ws.vocab_rows),
+                    r.anchor.to_string(),
+                ));
+            }
+            if r.usable > k {
+                return Err(row_err(
+                    i,
+                    "usable",
+                    format!("0..={k} (K)"),
+                    r.usable.to_string(),
+                ));
+            }
+            if r.temperature.is_nan() {
+                return Err(row_err(
+                    i,
+                    "temperature",
+                    "a number (<= 0: greedy)".into(),
+                    "NaN".into(),
+                ));
+            }
+            if f.checked_add(w).is_none_or(|e| e > i32::MAX as usize) {
+                return Err(row_err(
+                    i,
+                    "frontier",
+                    "F + W within i32".into(),
+                    f.to_string(),
+                ));
+            }
+            frontiers.push(f);
+        }
+        let max_pages = store.capacity().max_pages_per_lane;
+        let mut ids = Vec::with_capacity(ws.rows * w);
+        let (mut lanes, mut fr, mut live, mut anchors, mut seeds, mut temps, mut table) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
+        for p in 0..ws.rows {
+            let i = p.min(n - 1);
+            let r = &rows[i];
+            ids.push(r.anchor as i32);
+            ids.extend(std::iter::repeat_n(ws.mask_token as i32, k));
+            lanes.push(r.handle.lane() as i32);
+            fr.push(frontiers[i] as i32);
+            live.push(match self.geometry.backend {
+                DraftBackend::DFlash => (r.usable + 1) as i32,
+                DraftBackend::DFlash2 => w as i32,
+            });
+            anchors.push(r.anchor as i32);
+            seeds.push(r.seed as u32 as i32);
+            seeds.push((r.seed >> 32) as u32 as i32);
+            temps.push(r.temperature);
+            if ws.page_table.is_some() {
+                let pages = store.pages(r.handle)?;
+                let mut row: Vec<i32> = pages.iter().copied().take(max_pages).collect();
+                row.resize(max_pages, NO_PAGE);
+                table.extend(row);
+            }
+        }
+        let be = &self.be;
+        be.write(&mut ws.ids, 0, &ids)?;
+        be.write(&mut ws.lanes, 0, &lanes)?;
+        be.write(&mut ws.frontiers, 0, &fr)?;
+        be.write(&mut ws.live, 0, &live)?;
+        be.write(&mut ws.anchors, 0, &anchors)?;
+        be.write(&mut ws.seeds, 0, &seeds)?;
+        be.write(&mut ws.temperature, 0, &temps)?;
+        if let Some(t) = &mut ws.page_table {
+            be.write(t, 0, &table)?;
+        }
+        ws.staged = rows.iter().map(|r| r.usable).collect();
+        Ok(())
+    }
+
+    /// Run the staged block forward: device work only (no host reads of device data, no
+    /// allocation), reading every per-round value from the workspace's buffers.
+    ///
+    /// Per row: `x = embed([a, MASK x K])` at positions `F..F+K`; each layer (DFlash:
+    /// norm, Q/K/V with head norm + RoPE, attention over context + block, residual, norm,
+    /// SwiGLU MLP, residual; DFlash2: the same with the dynamic grouped convolution's prepare
+    /// and finish around attention and MLP); final norm of the K mask columns; the head:
+    /// DFlash per-column argmax, DFlash2 unary top-16, `g = W_hidden h`, conditional selector.
+    /// Live columns: DFlash attends `P + 1` columns, DFlash2 all `W` (the specification's
+    /// proposal-extent table); every column is computed either way.
+    pub fn run_block(
+        &self,
+        store: &ContextStore,
+        target: &TargetParts<'_>,
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        self.check_store(store)?;
+        ws.check_model(self)?;
+        let g = &self.geometry;
+        let hidden = g.hidden as usize;
+        target.check(hidden, g.vocab_rows as usize)?;
+        if target.head_shape(hidden) != ws.head {
+            return Err(DraftError::TargetPart {
+                part: "head",
+                problem: format!(
+                    "the workspace was planned for {:?}, found {:?}",
+                    ws.head,
+                    target.head_shape(hidden)
+                ),
+            });
+        }
+        if ws.staged.is_empty() {
+            return Err(DraftError::invalid(
+                "workspace",
+                "rows staged by DraftModel::stage",
+                "nothing staged",
+            ));
+        }
+        let be = &self.be;
+        let (rows, k) = (ws.rows, ws.k);
+        let w = k + 1;
+        let tokens = rows * w;
+        let (hq, d, inter) = (
+            g.q_heads as usize,
+            g.head_dim as usize,
+            g.intermediate as usize,
+        );
+        let eps = g.rms_norm_eps as f32;
+        let norm_p = rms_norm::RmsNormParams {
+            rows: tokens,
+            hidden,
+            eps,
+        };
+        let conv_p = dynamic_grouped_conv::ConvParams {
+            rows,
+            cols: w,
+            hidden,
+            group: dynamic_grouped_conv::GROUP,
+            eps,
+        };
+        let gm = |n: usize, kk: usize| gemm::GemmParams {
+            m: tokens,
+            n,
+            k: kk,
+        };
+
+        embedding_gather::run(
+            be,
+            &ws.ids,
+            target.embedding,
+            &mut ws.x,
+            &embedding_gather::EmbeddingGatherParams {
+                vocab: target.vocab_rows,
+                hidden,
+            },
+        )?;
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            let pool = store.layer(l)?;
+            match (&lw.attention_conv, &lw.mlp_conv) {
+                (None, None) => {
+                    // DFlash: y = x + W_o attn(norm(x)); x_next = y + W_down(swiglu(...)).
+                    rms_norm::run(be, &ws.x, &lw.input_norm, &mut ws.n, &norm_p)?;
+                    self.attention(l, lw, pool, ws)?;
+                    gemm::run_bf16(be, &ws.attn, &lw.o_proj, &mut ws.o, &gm(hidden, hq * d))?;
+                    residual_add::run_inplace(
+                        be,
+                        &mut ws.x,
+                        &ws.o,
+                        &residual_add::ResidualAddParams { n: tokens * hidden },
+                    )?;
+                    rms_norm::run(be, &ws.x, &lw.post_attention_norm, &mut ws.n, &norm_p)?;
+                    mlp(be, lw, ws, tokens, hidden, inter)?;
+                    residual_add::run_inplace(
+                        be,
+                        &mut ws.x,
+                        &ws.o,
+                        &residual_add::ResidualAddParams { n: tokens * hidden },
+                    )?;
+                }
+                (Some(ac), Some(mc)) => {
+                    // DFlash2: the convolution's prepare normalizes internally.
+                    dynamic_grouped_conv::prepare(
+                        be,
+                        &ws.x,
+                        &lw.input_norm,
+                        &ac.base,
+                        &ac.projection,
+                        &mut ws.n,
+                        &mut ws.finish_delta,
+                        &conv_p,
+                    )?;
+                    self.attention(l, lw, pool, ws)?;
+                    gemm::run_bf16(be, &ws.attn, &lw.o_proj, &mut ws.o, &gm(hidden, hq * d))?;
+                    dynamic_grouped_conv::finish(
+                        be,
+                        &ws.o,
+                        &ws.finish_delta,
+                        &ac.base,
+                        &ws.x,
+                        &mut ws.y,
+                        &conv_p,
+                    )?;
+                    dynamic_grouped_conv::prepare(
+                        be,
+                        &ws.y,
+                        &lw.post_attention_norm,
+                        &mc.base,
+                        &mc.projection,
+                        &mut ws.n,
+                        &mut ws.finish_delta,
+                        &conv_p,
+                    )?;
+                    mlp(be, lw, ws, tokens, hidden, inter)?;
+                    dynamic_grouped_conv::finish(
+                        be,
+                        &ws.o,
+                        &ws.finish_delta,
+                        &mc.base,
+                        &ws.y,
+                        &mut ws.x,
+                        &conv_p,
+                    )?;
+                }
+                _ => {
+                    return Err(DraftError::invalid(
+                        format!("layers[{l}] convolution weights"),
+                        "both attention_conv and mlp_conv (DFlash2) or neither (DFlash)",
+                        "only one",
+                    ));
+                }
+            }
+        }
+        // The K mask columns of every row (the anchor column is not sampled), final norm.
+        for r in 0..rows {
+            be.copy(
+                &ws.x,
+                (r * w + 1) * hidden,
+                &mut ws.mask_raw,
+                r * k * hidden,
+                k * hidden,
+            )?;
+        }
+        rms_norm::run(
+            be,
+            &ws.mask_raw,
+            &self.weights.norm,
+            &mut ws.mask_hidden,
+            &rms_norm::RmsNormParams {
+                rows: rows * k,
+                hidden,
+                eps,
+            },
+        )?;
+        let cols = rows * k;
+        gemm::run_f32(
+            be,
+            &ws.mask_hidden,
+            target.head_weight(),
+            &mut ws.logits,
+            &gemm::GemmParams {
+                m: cols,
+                n: ws.head.rows,
+                k: hidden,
+            },
+        )?;
+        match (&self.weights.selector, &mut ws.selector) {
+            (None, _) => proposal_argmax::run(
+                be,
+                &ws.logits,
+                target.token_ids(),
+                &mut ws.proposals,
+                &proposal_argmax::Params {
+                    n: cols,
+                    rows: ws.head.rows,
+                    public_vocab: ws.head.public_vocab,
+                    head: ws.head.kind,
+                },
+            )?,
+            (Some(sw), Some(sel)) => {
+                unary_topk::run(
+                    be,
+                    &ws.logits,
+                    target.token_ids(),
+                    &mut sel.unary,
+                    &mut sel.candidates,
+                    &unary_topk::Params {
+                        n: cols,
+                        rows: ws.head.rows,
+                        public_vocab: ws.head.public_vocab,
+                        head: ws.head.kind,
+                    },
+                )?;
+                let rank = sw.hidden_projection.len() / hidden.max(1);
+                gemm::run_bf16(
+                    be,
+                    &ws.mask_hidden,
+                    &sw.hidden_projection,
+                    &mut sel.g,
+                    &gemm::GemmParams {
+                        m: cols,
+                        n: rank,
+                        k: hidden,
+                    },
+                )?;
+                candidate_selector::run(
+                    be,
+                    &candidate_selector::Inputs {
+                        g: &sel.g,
+                        cand_ids: &sel.candidates,
+                        unary: &sel.unary,
+                        w_pred: &sw.predecessor,
+                        w_succ: &sw.successor,
+                        anchors: &ws.anchors,
+                        seeds: &ws.seeds,
+                        start_pos: &ws.frontiers,
+                        temperature: &ws.temperature,
+                    },
+                    &mut candidate_selector::Outputs {
+                        proposals: &mut ws.proposals,
+                        q: &mut sel.q,
+                        chosen: &mut sel.chosen,
+                    },
+                    &candidate_selector::Params {
+                        rows,
+                        k,
+                        rank,
+                        vocab: g.vocab_rows as usize,
+                    },
+                )?;
+            }
+            (Some(_), None) => {
+                return Err(DraftError::invalid(
+                    "workspace",
+                    "a DFlash2 workspace (selector buffers)",
+                    "a DFlash workspace",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Q/K/V projections of `ws.n`, head norms and RoPE at `F + column`, and the layer's
+    /// attention over context + block into `ws.attn`.
+    fn attention(
+        &self,
+        l: usize,
+        lw: &LayerWeights,
+        pool: LayerPool<'_>,
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        let g = &self.geometry;
+        let be = &self.be;
+        let (rows, w) = (ws.rows, ws.k + 1);
+        let tokens = rows * w;
+        let (hidden, hq, hkv, d) = (
+            g.hidden as usize,
+            g.q_heads as usize,
+            g.kv_heads as usize,
+            g.head_dim as usize,
+        );
+        let eps = g.rms_norm_eps as f32;
+        let gm = |n: usize| gemm::GemmParams {
+            m: tokens,
+            n,
+            k: hidden,
+        };
+        let hp = |heads: usize| head_norm_rope::HeadNormRopeParams {
+            rows,
+            cols: w,
+            heads,
+            head_dim: d,
+            eps,
+            theta: g.rope_theta,
+        };
+        gemm::run_f32(be, &ws.n, &lw.q_proj, &mut ws.q_raw, &gm(hq * d))?;
+        head_norm_rope::run(be, &ws.q_raw, &lw.q_norm, &ws.frontiers, &mut ws.q, &hp(hq))?;
+        gemm::run_f32(be, &ws.n, &lw.k_proj, &mut ws.k_raw, &gm(hkv * d))?;
+        head_norm_rope::run(
+            be,
+            &ws.k_raw,
+            &lw.k_norm,
+            &ws.frontiers,
+            &mut ws.k_blk,
+            &hp(hkv),
+        )?;
+        gemm::run_bf16(be, &ws.n, &lw.v_proj, &mut ws.v, &gm(hkv * d))?;
+        match (g.layers.get(l), pool) {
+            (
+                Some(LayerKind::Local { .. }),
+                LayerPool::Ring {
+                    k,
+                    v,
+                    lanes,
+                    window,
+                },
+            ) => {
+                sliding_window_attention::run(
+                    be,
+                    &ws.q,
+                    &ws.k_blk,
+                    &ws.v,
+                    k,
+                    v,
+                    &ws.lanes,
+                    &ws.frontiers,
+                    &ws.live,
+                    &mut ws.attn,
+                    &mut ws.attn_workspace,
+                    &sliding_window_attention::LocalAttentionParams {
+                        rows,
+                        cols: w,
+                        q_heads: hq,
+                        kv_heads: hkv,
+                        head_dim: d,
+                        lanes,
+                        window,
+                    },
+                )?;
+            }
+            (
+                Some(LayerKind::Full),
+                LayerPool::Paged {
+                    k,
+                    v,
+                    pages,
+                    page_size,
+                    max_pages,
+                },
+            ) => {
+                let table = ws.page_table.as_ref().ok_or_else(|| {
+                    DraftError::invalid("workspace", "a page table for full layers", "none")
+                })?;
+                softmax_attention::run(
+                    be,
+                    &ws.q,
+                    &ws.k_blk,
+                    &ws.v,
+                    k,
+                    v,
+                    table,
+                    &ws.frontiers,
+                    &ws.live,
+                    &mut ws.attn,
+                    &mut ws.attn_workspace,
+                    &softmax_attention::FullAttentionParams {
+                        rows,
+                        cols: w,
+                        q_heads: hq,
+                        kv_heads: hkv,
+                        head_dim: d,
+                        pages,
+                        page_size,
+                        max_pages,
+                    },
+                )?;
+            }
+            _ => {
+                return Err(DraftError::invalid(
+                    format!("layer {l} pool"),
+                    "the storage kind of the layer's attention type",
+                    "another kind",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`.
+fn mlp(
+    be: &Backend,
+    lw: &LayerWeights,
+    ws: &mut Workspace,
+    tokens: usize,
+    hidden: usize,
+    inter: usize,
+) -> Result<()> {
+    let gi = gemm::GemmParams {
+        m: tokens,
+        n: inter,
+        k: hidden,
+    };
+    gemm::run_bf16(be, &ws.n, &lw.gate_proj, &mut ws.gate, &gi)?;
+    gemm::run_bf16(be, &ws.n, &lw.up_proj, &mut ws.up, &gi)?;
+    swiglu::run(
+        be,
+        &ws.gate,
+        &ws.up,
+        &mut ws.act,
+        &swiglu::SwigluParams {
+            rows: tokens,
+            inter,
+        },
+    )?;
+    gemm::run_bf16(
+        be,
+        &ws.act,
+        &lw.down_proj,
+        &mut ws.o,
+        &gemm::GemmParams {
+            m: tokens,
+            n: hidden,
+            k: inter,
+        },
+    )?;
+    Ok(())
+}
+
+/// One request of a round.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowRequest {
+    /// The request's context (its frontier F is the anchor's position).
+    pub handle: ContextHandle,
+    /// The unprocessed anchor token a = x_F.
+    pub anchor: u32,
+    /// P: proposals that can be verified this round (`0..=K`). DFlash attends `P + 1` live
+    /// columns; DFlash2 computes all `W` and reports all K, of which the first P are usable.
+    pub usable: usize,
+    /// DFlash2 selector temperature (`<= 0`: greedy). Ignored by DFlash (q is a point mass).
+    pub temperature: f32,
+    /// The request's seed (DFlash2 selector draws; the row index never enters a draw).
+    pub seed: u64,
+}
+
+/// One request's proposal, read back from the workspace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowProposal {
+    /// Proposed global ids d_1..d_K. Only the first [`RowProposal::usable`] are usable; DFlash
+    /// columns past `P` were not live in attention and carry no meaning.
+    pub tokens: Vec<i32>,
+    /// P (from the request).
+    pub usable: usize,
+    /// DFlash2: the candidate global ids `[K, 16]`; empty for DFlash.
+    pub candidate_ids: Vec<i32>,
+    /// DFlash2: the unary scores `[K, 16]`; empty for DFlash.
+    pub unary_scores: Vec<f32>,
+    /// DFlash2: the actual proposal distributions q `[K, 16]` over ranks; empty for DFlash
+    /// (whose q is the point mass on `tokens[i]`).
+    pub q: Vec<f32>,
+}
+
+/// What a [`Workspace`] is planned for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkspaceSpec {
+    /// Physical rows (concurrency B): a round may stage 1..=rows requests.
+    pub rows: usize,
+    /// Draft count K (W = K + 1).
+    pub draft_count: usize,
+    /// The mask token id.
+    pub mask_token_id: u32,
+    /// The proposal head's shape.
+    pub head: HeadShape,
+}
+
+impl WorkspaceSpec {
+    /// The spec of a validated startup (rows = B, K, the resolved mask token, the head).
+    pub fn from_startup(s: &Startup, vocab_rows: usize) -> Self {
+        let head = match s.proposal_head {
+            dflash_config::ProposalHead::Full => HeadShape {
+                kind: OpsHead::Full,
+                rows: vocab_rows,
+                public_vocab: s.public_vocab_size as usize,
+            },
+            dflash_config::ProposalHead::Indexed { rows } => HeadShape {
+                kind: OpsHead::Indexed,
+                rows: rows as usize,
+                public_vocab: s.public_vocab_size as usize,
+            },
+        };
+        WorkspaceSpec {
+            rows: s.concurrency as usize,
+            draft_count: s.draft_count as usize,
+            mask_token_id: s.mask_token_id,
+            head,
+        }
+    }
+}
+
+/// DFlash2's selector buffers.
+#[derive(Debug)]
+pub struct SelectorBuffers {
+    /// Unary top-16 scores `[rows*K, 16]` F32.
+    pub unary: Buffer<f32>,
+    /// Candidate global ids `[rows*K, 16]` I32.
+    pub candidates: Buffer<i32>,
+    /// Projected hidden g `[rows*K, R]` BF16.
+    pub g: Buffer<bf16>,
+    /// Retained q `[rows, K, 16]` F32.
+    pub q: Buffer<f32>,
+    /// Chosen ranks `[rows, K]` I32.
+    pub chosen: Buffer<i32>,
+}
+
+/// Every buffer of one round, allocated once for a (rows, K, head) shape; the forward
+/// allocates nothing. Activations are `[rows, W, ...]` flat (`tokens = rows * W`).
+///
+/// Bytes (BF16 = 2, F32/I32 = 4): three `[tokens, H]` residual/normalized streams and one
+/// branch output (BF16), `[tokens, Hq*D]` Q raw (F32) + Q + attention output (BF16),
+/// `[tokens, Hkv*D]` K raw (F32) + K + V (BF16), three `[tokens, I]` MLP buffers (BF16),
+/// DFlash2's `[tokens, 2*H/16]` finish delta, two `[rows*K, H]` mask streams, the
+/// `[rows*K, head rows]` F32 logits (the largest: 15 MB per row at K = 15 with the 248320-row
+/// head), the attention scratch (`workspace_len` of the ops, the maximum over layers) and the
+/// small per-row metadata.
+#[derive(Debug)]
+pub struct Workspace {
+    be: Backend,
+    rows: usize,
+    k: usize,
+    mask_token: u32,
+    vocab_rows: usize,
+    head: HeadShape,
+    staged: Vec<usize>,
+    /// Block input ids `[rows, W]`.
+    pub ids: Buffer<i32>,
+    /// Ring lane per row `[rows]`.
+    pub lanes: Buffer<i32>,
+    /// Frontier F per row `[rows]` (the anchor's position).
+    pub frontiers: Buffer<i32>,
+    /// Page-table rows `[rows, max_pages]` (drafts with full layers).
+    pub page_table: Option<Buffer<i32>>,
+    /// Live columns per row for attention `[rows]`.
+    pub live: Buffer<i32>,
+    /// Anchor per row `[rows]`.
+    pub anchors: Buffer<i32>,
+    /// Seeds `[rows, 2]` (low, high words).
+    pub seeds: Buffer<i32>,
+    /// Temperatures `[rows]`.
+    pub temperature: Buffer<f32>,
+    x: Buffer<bf16>,
+    y: Buffer<bf16>,
+    n: Buffer<bf16>,
+    o: Buffer<bf16>,
+    q_raw: Buffer<f32>,
+    q: Buffer<bf16>,
+    k_raw: Buffer<f32>,
+    k_blk: Buffer<bf16>,
+    v: Buffer<bf16>,
+    attn: Buffer<bf16>,
+    attn_workspace: Buffer<f32>,
+    gate: Buffer<bf16>,
+    up: Buffer<bf16>,
+    act: Buffer<bf16>,
+    finish_delta: Buffer<bf16>,
+    mask_raw: Buffer<bf16>,
+    /// Final-normed hidden of the mask columns `[rows, K, H]` BF16.
+    pub mask_hidden: Buffer<bf16>,
+    /// Head logits `[rows*K, head rows]` F32.
+    pub logits: Buffer<f32>,
+    /// Proposals `[rows, K]` I32.
+    pub proposals: Buffer<i32>,
+    /// DFlash2 selector buffers.
+    pub selector: Option<SelectorBuffers>,
+}
+
+impl Workspace {
+    /// Plan and allocate every buffer of a round of `spec` for `model` over `store`'s pools.
+    pub fn new(model: &DraftModel, store: &ContextStore, spec: &WorkspaceSpec) -> Result<Self> {
+        model.check_store(store)?;
+        let g = &model.geometry;
+        let be = &model.be;
+        let (rows, k) = (spec.rows, spec.draft_count);
+        if !(1..=dflash_config::MAX_CONCURRENCY as usize).contains(&rows) {
+            return Err(DraftError::invalid("workspace rows", "1..=8", rows));
+        }
+        if !(1..=dflash_config::MAX_DRAFT_COUNT as usize).contains(&k) {
+            return Err(DraftError::invalid("draft count K", "1..=15", k));
+        }
+        let vocab_rows = g.vocab_rows as usize;
+        if spec.mask_token_id as usize >= vocab_rows {
+            return Err(DraftError::invalid(
+                "mask token id",
+                format!("below {vocab_rows}"),
+                spec.mask_token_id,
+            ));
+        }
+        let w = k + 1;
+        let tokens = rows * w;
+        let (h, hq, hkv, d, inter) = (
+            g.hidden as usize,
+            g.q_heads as usize,
+            g.kv_heads as usize,
+            g.head_dim as usize,
+            g.intermediate as usize,
+        );
+        let mut attn_ws = 0usize;
+        for l in 0..g.layers.len() {
+            let len = match store.layer(l)? {
+                LayerPool::Ring { lanes, window, .. } => sliding_window_attention::workspace_len(
+                    &sliding_window_attention::LocalAttentionParams {
+                        rows,
+                        cols: w,
+                        q_heads: hq,
+                        kv_heads: hkv,
+                        head_dim: d,
+                        lanes,
+                        window,
+                    },
+                ),
+                LayerPool::Paged {
+                    pages,
+                    page_size,
+                    max_pages,
+                    ..
+                } => softmax_attention::workspace_len(&softmax_attention::FullAttentionParams {
+                    rows,
+                    cols: w,
+                    q_heads: hq,
+                    kv_heads: hkv,
+                    head_dim: d,
+                    pages,
+                    page_size,
+                    max_pages,
+                }),
+            };
+            attn_ws = attn_ws.max(len);
+        }
+        let cols = rows * k;
+        let logits_len = cols.checked_mul(spec.head.rows).ok_or_else(|| {
+            DraftError::invalid(
+                "logits size",
+                "rows*K*head rows within usize",
+                spec.head.rows,
+            )
+        })?;
+        let dflash2 = g.dflash2.is_some();
+        let groups = h / dynamic_grouped_conv::GROUP;
+        let selector = match &g.dflash2 {
+            Some(p) => Some(SelectorBuffers {
+                unary: be.zeros(cols * TOP_K)?,
+                candidates: be.zeros(cols * TOP_K)?,
+                g: be.zeros(cols * p.selector_rank as usize)?,
+                q: be.zeros(cols * TOP_K)?,
+                chosen: be.zeros(cols)?,
+            }),
+            None => None,
+        };
+        let page_table = if g.has_full_pool {
+            Some(be.zeros(rows * store.capacity().max_pages_per_lane)?)
+        } else {
+            None
+        };
+        Ok(Workspace {
+            be: be.clone(),
+            rows,
+            k,
+            mask_token: spec.mask_token_id,
+            vocab_rows,
+            head: spec.head,
+            staged: Vec::new(),
+            ids: be.zeros(tokens)?,
+            lanes: be.zeros(rows)?,
+            frontiers: be.zeros(rows)?,
+            page_table,
+            live: be.zeros(rows)?,
+            anchors: be.zeros(rows)?,
+            seeds: be.zeros(2 * rows)?,
+            temperature: be.zeros(rows)?,
+            x: be.zeros(tokens * h)?,
+            y: be.zeros(if dflash2 { tokens * h } else { 0 })?,
+            n: be.zeros(tokens * h)?,
+            o: be.zeros(tokens * h)?,
+            q_raw: be.zeros(tokens * hq * d)?,
+            q: be.zeros(tokens * hq * d)?,
+            k_raw: be.zeros(tokens * hkv * d)?,
+            k_blk: be.zeros(tokens * hkv * d)?,
+            v: be.zeros(tokens * hkv * d)?,
+            attn: be.zeros(tokens * hq * d)?,
+            attn_workspace: be.zeros(attn_ws)?,
+            gate: be.zeros(tokens * inter)?,
+            up: be.zeros(tokens * inter)?,
+            act: be.zeros(tokens * inter)?,
+            finish_delta: be.zeros(if dflash2 { tokens * 2 * groups } else { 0 })?,
+            mask_raw: be.zeros(cols * h)?,
+            mask_hidden: be.zeros(cols * h)?,
+            logits: be.zeros(logits_len)?,
+            proposals: be.zeros(cols)?,
+            selector,
+        })
+    }
+
+    fn check_model(&self, model: &DraftModel) -> Result<()> {
+        if self.be.name() != model.be.name() {
+            return Err(DraftError::invalid(
+                "workspace backend",
+                model.be.name(),
+                self.be.name(),
+            ));
+        }
+        if self.selector.is_some() != model.geometry.dflash2.is_some() {
+            return Err(DraftError::invalid(
+                "workspace",
+                "planned for this model's backend (DFlash or DFlash2)",
+                "another backend",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Physical rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Draft count K.
+    pub fn draft_count(&self) -> usize {
+        self.k
+    }
+
+    /// The head shape the workspace was planned for.
+    pub fn head(&self) -> HeadShape {
+        self.head
+    }
+
+    /// Requests staged by the last [`DraftModel::stage`].
+    pub fn staged_rows(&self) -> usize {
+        self.staged.len()
+    }
+
+    /// Read the staged requests' results (synchronizes).
+    pub fn read(&self) -> Result<Vec<RowProposal>> {
+        let be = &self.be;
+        let k = self.k;
+        let props = be.download(&self.proposals)?;
+        let (cand, unary, q) = match &self.selector {
+            Some(s) => (
+                be.download(&s.candidates)?,
+                be.download(&s.unary)?,
+                be.download(&s.q)?,
+            ),
+            None => (Vec::new(), Vec::new(), Vec::new()),
+        };
+        let kk = k * TOP_K;
+        let slice = |v: &[f32], r: usize| {
+            if v.is_empty() {
+                Vec::new()
+            } else {
+                v[r * kk..(r + 1) * kk].to_vec()
+            }
+        };
+        Ok(self
+            .staged
+            .iter()
+            .enumerate()
+            .map(|(r, &usable)| RowProposal {
+                tokens: props[r * k..(r + 1) * k].to_vec(),
+                usable,
+                candidate_ids: if cand.is_empty() {
+                    Vec::new()
+                } else {
+                    cand[r * kk..(r + 1) * kk].to_vec()
+                },
+                unary_scores: slice(&unary, r),
+                q: slice(&q, r),
+            })
+            .collect())
+    }
+
+    /// The final-normed mask hidden of the staged requests, `[staged rows, K, H]` widened to
+    /// F32 (the BF16 values the head consumes).
+    pub fn read_mask_hidden(&self) -> Result<Vec<f32>> {
+        let be = &self.be;
+        let per = self.mask_hidden.len() / self.rows;
+        let v = be.read(&self.mask_hidden, 0, per * self.staged.len())?;
+        Ok(v.into_iter().map(f32::from).collect())
+    }
+}
