@@ -1,8 +1,11 @@
 //! The CUDA conformance runner: every registry case on the GPU against the CPU reference.
 //!
-//! `dflash-conformance [--out DIR] [--only SUBSTRING] [--skip-heavy]`: prints a table, writes
+//! `dflash-conformance [--out DIR] [--only SUBSTRING] [--skip-heavy] [--exclude SUBSTRING]`
+//! (`--exclude` skips the heavy cases whose `op/case` contains the substring).: prints a table, writes
 //! `DIR/conformance.md` and `DIR/conformance.json`. Exit status 0 when every case passes,
 //! 1 when one fails, 3 when there is no usable CUDA device (driver missing, no GPU).
+
+mod graph;
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -52,11 +55,26 @@ fn utc_now() -> String {
     format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC", s / 3600, s / 60 % 60, s % 60)
 }
 
+/// The kernel driver version from `/proc/driver/nvidia/version` ("unknown" when absent).
+fn driver_version() -> String {
+    std::fs::read_to_string("/proc/driver/nvidia/version")
+        .ok()
+        .and_then(|t| {
+            // "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release ..."
+            let line = t.lines().next()?.to_string();
+            line.split_whitespace()
+                .find(|w| w.split('.').count() >= 2 && w.split('.').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())))
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
 fn run() -> Result<ExitCode> {
     let args: Vec<String> = std::env::args().collect();
     let out_dir = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
     let skip_heavy = args.iter().any(|a| a == "--skip-heavy");
+    let exclude = args.iter().position(|a| a == "--exclude").and_then(|i| args.get(i + 1)).cloned();
     let cuda = match CudaBackend::new(0) {
         Ok(c) => c,
         Err(e) => {
@@ -68,11 +86,19 @@ fn run() -> Result<ExitCode> {
     let gpu = Backend::Cuda(cuda);
     let cpu = Backend::cpu();
     let mut rows: Vec<Row> = Vec::new();
-    for case in registry::cases() {
-        if let Some(o) = &only {
-            if !format!("{}/{}", case.op, case.name).contains(o.as_str()) {
-                continue;
-            }
+    let mut cases = registry::cases();
+    cases.extend(dflash_draft::conformance_cases());
+    for case in cases {
+        if let Some(o) = &only
+            && !format!("{}/{}", case.op, case.name).contains(o.as_str())
+        {
+            continue;
+        }
+        if let Some(x) = &exclude
+            && case.heavy
+            && format!("{}/{}", case.op, case.name).contains(x.as_str())
+        {
+            continue;
         }
         if skip_heavy && case.heavy {
             continue;
@@ -119,15 +145,47 @@ fn run() -> Result<ExitCode> {
         let last = rows.last().map(|r| r.cmp.pass).unwrap_or(false);
         eprintln!("{:>5} {}/{} ({cpu_ms:.0} ms cpu, {gpu_ms:.1} ms cuda)", if last { "ok" } else { "FAIL" }, case.op, case.name);
     }
-    let failed = rows.iter().filter(|r| !r.cmp.pass).count();
+    let mut failed = rows.iter().filter(|r| !r.cmp.pass).count();
+    let graph_md = match graph::check(match &gpu {
+        Backend::Cuda(c) => c,
+        Backend::Cpu => unreachable!("the runner only builds a CUDA backend"),
+    }) {
+        Ok(g) => {
+            let ok = g.mismatches.iter().all(Vec::is_empty) && g.varied.len() >= 8;
+            if !ok {
+                failed += 1;
+            }
+            let mut s = format!(
+                "## CUDA-graph replay\n\nThe per-round ops (context_kv_materialize, sliding_window_attention, candidate_selector, \
+target_distribution, chain_accept) captured once into one CUDA graph, replayed under {} different device-metadata sets \
+(context start, counts, lanes, live columns, seeds, temperatures rewritten between replays) and compared bit for bit with \
+eager runs of the same metadata.\n\n| replay | outputs differing from eager |\n|---|---|\n",
+                g.replays
+            );
+            for (i, m) in g.mismatches.iter().enumerate() {
+                s.push_str(&format!("| {i} | {} |\n", if m.is_empty() { "none".to_string() } else { m.join(", ") }));
+            }
+            s.push_str(&format!(
+                "\nOutputs that changed across metadata sets (the metadata mattered): {}.\n\nVerdict: {}.\n",
+                g.varied.join(", "),
+                if ok { "pass" } else { "FAIL" }
+            ));
+            s
+        }
+        Err(e) => {
+            failed += 1;
+            format!("## CUDA-graph replay\n\nFAILED to run: {e:#}\n")
+        }
+    };
     let command = args.join(" ");
     let mut md = String::new();
     md.push_str("# Conformance report: CUDA vs the CPU reference\n\n");
     md.push_str(&format!(
-        "- date: {}\n- GPU: {} ({})\n- CUDA (driver): {}\n- NVRTC: {}\n- command: `{}`\n- result: {} rows, {} failed\n\n",
+        "- date: {}\n- GPU: {} ({})\n- driver: {}\n- CUDA (driver API): {}\n- NVRTC: {}\n- command: `{}`\n- result: {} rows, {} failed\n\n",
         utc_now(),
         info.name,
         info.arch,
+        driver_version(),
         info.driver_cuda_version,
         info.nvrtc_version,
         command,
@@ -162,6 +220,8 @@ Inputs = every input downloaded after the run equals what was uploaded.\n\n");
             "pass": c.pass, "cpu_ms": r.cpu_ms, "gpu_ms": r.gpu_ms, "error": r.error,
         }));
     }
+    md.push('\n');
+    md.push_str(&graph_md);
     for r in rows.iter().filter(|r| r.error.is_some()) {
         md.push_str(&format!("\n- error in {}/{}: {}\n", r.cmp.op, r.cmp.case, r.error.as_deref().unwrap_or("")));
     }
@@ -170,7 +230,7 @@ Inputs = every input downloaded after the run equals what was uploaded.\n\n");
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {dir}"))?;
         std::fs::write(format!("{dir}/conformance.md"), &md)?;
         let json = serde_json::json!({
-            "date": utc_now(), "gpu": info.name, "arch": info.arch,
+            "date": utc_now(), "gpu": info.name, "arch": info.arch, "driver": driver_version(),
             "driver_cuda_version": info.driver_cuda_version, "nvrtc_version": info.nvrtc_version,
             "command": command, "rows": json_rows,
         });
