@@ -42,7 +42,10 @@ fn run(args: &[String]) -> Result<ExitCode> {
 }
 
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
 }
 
 fn flag_value(args: &[String], flag: &str) -> Result<Option<String>> {
@@ -59,13 +62,24 @@ fn build_runner(root: &Path) -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(cargo)
         .current_dir(root)
-        .args(["build", "--release", "-p", "xtask", "--features", "cuda", "--bin", "dflash-conformance"])
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "xtask",
+            "--features",
+            "cuda",
+            "--bin",
+            "dflash-conformance",
+        ])
         .status()
         .context("running cargo build for the conformance runner")?;
     if !status.success() {
         bail!("building dflash-conformance failed ({status})");
     }
-    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root.join("target"));
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| root.join("target"));
     Ok(target.join("release").join("dflash-conformance"))
 }
 
@@ -81,7 +95,8 @@ fn conformance(args: &[String]) -> Result<ExitCode> {
         let dir = PathBuf::from(dir);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let dest = dir.join("dflash-conformance");
-        std::fs::copy(&runner, &dest).with_context(|| format!("copying the runner to {}", dest.display()))?;
+        std::fs::copy(&runner, &dest)
+            .with_context(|| format!("copying the runner to {}", dest.display()))?;
         std::fs::write(
             dir.join("RUN.md"),
             "Run on a GPU host (CUDA driver, NVRTC and cuBLAS present; no Rust needed):\n\n    \
@@ -95,5 +110,7 @@ fn conformance(args: &[String]) -> Result<ExitCode> {
         .args(["--out", &out])
         .status()
         .with_context(|| format!("running {}", runner.display()))?;
-    Ok(ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)))
+    Ok(ExitCode::from(
+        u8::try_from(status.code().unwrap_or(1)).unwrap_or(1),
+    ))
 }

@@ -215,18 +215,29 @@ impl CudaBackend {
 
     /// What the conformance report records about the device and its software.
     pub fn device_info(&self) -> Result<DeviceInfo> {
-        let name = self.inner.ctx.name().map_err(cuda_err("reading the device name"))?;
+        let name = self
+            .inner
+            .ctx
+            .name()
+            .map_err(cuda_err("reading the device name"))?;
         let mut driver: std::ffi::c_int = 0;
         // SAFETY: cuDriverGetVersion writes one int through a valid pointer.
         let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
         if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            return Err(OpsError::Cuda { context: "cuDriverGetVersion".into(), message: format!("{status:?}") });
+            return Err(OpsError::Cuda {
+                context: "cuDriverGetVersion".into(),
+                message: format!("{status:?}"),
+            });
         }
         let (mut nvrtc_major, mut nvrtc_minor): (std::ffi::c_int, std::ffi::c_int) = (0, 0);
         // SAFETY: nvrtcVersion writes two ints through valid pointers.
-        let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nvrtc_major, &mut nvrtc_minor) };
+        let status =
+            unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nvrtc_major, &mut nvrtc_minor) };
         if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-            return Err(OpsError::Cuda { context: "nvrtcVersion".into(), message: format!("{status:?}") });
+            return Err(OpsError::Cuda {
+                context: "nvrtcVersion".into(),
+                message: format!("{status:?}"),
+            });
         }
         Ok(DeviceInfo {
             name,

@@ -42,7 +42,11 @@ pub(crate) fn threads_for(work: usize) -> usize {
 /// contract's "naive FP64 evaluation".
 pub(crate) fn matmul_f64(a: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<f64> {
     // Small products run on the calling thread (spawning costs more than the arithmetic).
-    let threads = if m * n * k < (1 << 22) { 1 } else { threads_for(n) };
+    let threads = if m * n * k < (1 << 22) {
+        1
+    } else {
+        threads_for(n)
+    };
     matmul_f64_threads(a, w, m, n, k, threads)
 }
 

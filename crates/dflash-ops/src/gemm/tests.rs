@@ -187,10 +187,18 @@ proptest! {
 fn reference_is_independent_of_the_worker_count() {
     use crate::bf16;
     let (m, n, k) = (3usize, 51usize, 7usize);
-    let a: Vec<bf16> = (0..m * k).map(|i| bf16::from_f32((i % 5) as f32 - 2.0)).collect();
-    let w: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32((i % 7) as f32 * 0.5 - 1.5)).collect();
+    let a: Vec<bf16> = (0..m * k)
+        .map(|i| bf16::from_f32((i % 5) as f32 - 2.0))
+        .collect();
+    let w: Vec<bf16> = (0..n * k)
+        .map(|i| bf16::from_f32((i % 7) as f32 * 0.5 - 1.5))
+        .collect();
     let one = super::reference::matmul_f64_threads(&a, &w, m, n, k, 1);
     for threads in [2, 3, 13, 16, 51, 64] {
-        assert_eq!(super::reference::matmul_f64_threads(&a, &w, m, n, k, threads), one, "{threads} workers");
+        assert_eq!(
+            super::reference::matmul_f64_threads(&a, &w, m, n, k, threads),
+            one,
+            "{threads} workers"
+        );
     }
 }

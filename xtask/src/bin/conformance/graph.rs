@@ -36,7 +36,9 @@ impl Gen {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
     fn bf16s(&mut self, n: usize, scale: f32) -> Vec<bf16> {
-        (0..n).map(|_| bf16::from_f32(self.unit() * scale)).collect()
+        (0..n)
+            .map(|_| bf16::from_f32(self.unit() * scale))
+            .collect()
     }
 }
 
@@ -52,10 +54,15 @@ struct Meta {
 
 impl Meta {
     fn block_pos(&self) -> Vec<i32> {
-        (0..ROWS).map(|r| self.ctx_start[r] + self.counts[r]).collect()
+        (0..ROWS)
+            .map(|r| self.ctx_start[r] + self.counts[r])
+            .collect()
     }
     fn seeds(&self) -> Vec<i32> {
-        self.seeds.iter().flat_map(|s| [*s as u32 as i32, (*s >> 32) as u32 as i32]).collect()
+        self.seeds
+            .iter()
+            .flat_map(|s| [*s as u32 as i32, (*s >> 32) as u32 as i32])
+            .collect()
     }
 }
 
@@ -111,12 +118,23 @@ fn mat_params() -> mat::MaterializeParams {
         head_dim: D,
         eps: 1e-6,
         theta: 1e7,
-        layout: mat::CacheLayout::Ring { lanes: LANES, capacity: S },
+        layout: mat::CacheLayout::Ring {
+            lanes: LANES,
+            capacity: S,
+        },
     }
 }
 
 fn attn_params() -> swa::LocalAttentionParams {
-    swa::LocalAttentionParams { rows: ROWS, cols: COLS, q_heads: HQ, kv_heads: HKV, head_dim: D, lanes: LANES, window: S }
+    swa::LocalAttentionParams {
+        rows: ROWS,
+        cols: COLS,
+        q_heads: HQ,
+        kv_heads: HKV,
+        head_dim: D,
+        lanes: LANES,
+        window: S,
+    }
 }
 
 impl Round {
@@ -129,10 +147,19 @@ impl Round {
             cand.extend((0..16).map(|j| (base + j * 3) as i32));
         }
         let settings: Vec<td::Settings> = (0..ROWS)
-            .map(|r| td::Settings { top_k: 40, top_p: 0.95, min_p: 0.01, ..td::Settings::sampling(0.8 + r as f32 * 0.2) })
+            .map(|r| td::Settings {
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.01,
+                ..td::Settings::sampling(0.8 + r as f32 * 0.2)
+            })
             .collect();
         let ring_k = be.upload(&g.bf16s(LANES * S * HKV * D, 1.0))?;
-        let ring_v: Vec<f16> = g.bf16s(LANES * S * HKV * D, 1.0).iter().map(|x| f16::from_f32(x.to_f32())).collect();
+        let ring_v: Vec<f16> = g
+            .bf16s(LANES * S * HKV * D, 1.0)
+            .iter()
+            .map(|x| f16::from_f32(x.to_f32()))
+            .collect();
         let ring_v = be.upload(&ring_v)?;
         Ok(Round {
             features: be.upload(&g.bf16s(ROWS * COLS * H, 1.0))?,
@@ -144,12 +171,24 @@ impl Round {
             v_blk: be.upload(&g.bf16s(ROWS * COLS * HKV * D, 1.0))?,
             g: be.upload(&g.bf16s(ROWS * K * R, 1.0))?,
             cand_ids: be.upload(&cand)?,
-            unary: be.upload(&(0..ROWS * K * 16).map(|_| g.unit() * 2.0).collect::<Vec<f32>>())?,
+            unary: be.upload(
+                &(0..ROWS * K * 16)
+                    .map(|_| g.unit() * 2.0)
+                    .collect::<Vec<f32>>(),
+            )?,
             w_pred: be.upload(&g.bf16s(VOCAB * R, 0.3))?,
             w_succ: be.upload(&g.bf16s(VOCAB * R, 0.3))?,
             anchors: be.upload(&[3, 77, 401])?,
-            logits: be.upload(&(0..ROWS * COLS * VOCAB).map(|_| g.unit() * 4.0).collect::<Vec<f32>>())?,
-            hist: be.upload(&(0..ROWS * VOCAB).map(|i| i32::from(i % 11 == 0)).collect::<Vec<i32>>())?,
+            logits: be.upload(
+                &(0..ROWS * COLS * VOCAB)
+                    .map(|_| g.unit() * 4.0)
+                    .collect::<Vec<f32>>(),
+            )?,
+            hist: be.upload(
+                &(0..ROWS * VOCAB)
+                    .map(|i| i32::from(i % 11 == 0))
+                    .collect::<Vec<i32>>(),
+            )?,
             sampling: td::SamplingBuffers::upload(be, &settings)?,
             ctx_start: be.zeros(ROWS)?,
             counts: be.zeros(ROWS)?,
@@ -197,12 +236,32 @@ impl Round {
     /// The per-round op sequence; queues work only (no host synchronization, no allocation).
     fn run(&mut self, be: &Backend) -> Result<()> {
         mat::run_with_scratch(
-            be, &self.features, &self.w_k, &self.w_v, &self.key_norm, &self.ctx_start, &self.counts,
-            &self.lanes, &mut self.ring_k, &mut self.ring_v, &mut self.scratch, &mat_params(),
+            be,
+            &self.features,
+            &self.w_k,
+            &self.w_v,
+            &self.key_norm,
+            &self.ctx_start,
+            &self.counts,
+            &self.lanes,
+            &mut self.ring_k,
+            &mut self.ring_v,
+            &mut self.scratch,
+            &mat_params(),
         )?;
         swa::run(
-            be, &self.q, &self.k_blk, &self.v_blk, &self.ring_k, &self.ring_v, &self.lanes,
-            &self.block_pos, &self.live, &mut self.attn, &mut self.ws, &attn_params(),
+            be,
+            &self.q,
+            &self.k_blk,
+            &self.v_blk,
+            &self.ring_k,
+            &self.ring_v,
+            &self.lanes,
+            &self.block_pos,
+            &self.live,
+            &mut self.attn,
+            &mut self.ws,
+            &attn_params(),
         )?;
         sel::run(
             be,
@@ -217,23 +276,54 @@ impl Round {
                 start_pos: &self.block_pos,
                 temperature: &self.temperature,
             },
-            &mut sel::Outputs { proposals: &mut self.proposals, q: &mut self.q_sel, chosen: &mut self.chosen },
-            &sel::Params { rows: ROWS, k: K, rank: R, vocab: VOCAB },
+            &mut sel::Outputs {
+                proposals: &mut self.proposals,
+                q: &mut self.q_sel,
+                chosen: &mut self.chosen,
+            },
+            &sel::Params {
+                rows: ROWS,
+                k: K,
+                rank: R,
+                vocab: VOCAB,
+            },
         )?;
         td::run(
-            be, &self.logits, &self.live, &self.hist, &self.proposals, &self.sampling.view(), &mut self.p,
-            &td::Params { rows: ROWS, cols: COLS, vocab: VOCAB, public_vocab: PUBLIC },
+            be,
+            &self.logits,
+            &self.live,
+            &self.hist,
+            &self.proposals,
+            &self.sampling.view(),
+            &mut self.p,
+            &td::Params {
+                rows: ROWS,
+                cols: COLS,
+                vocab: VOCAB,
+                public_vocab: PUBLIC,
+            },
         )?;
         ca::run(
             be,
             &self.p,
             &self.proposals,
             &self.live,
-            ca::Proposal::Top16 { q: &self.q_sel, ids: &self.cand_ids },
+            ca::Proposal::Top16 {
+                q: &self.q_sel,
+                ids: &self.cand_ids,
+            },
             &self.seeds,
             &self.block_pos,
-            ca::Outputs { accepted: &mut self.accepted, out_tokens: &mut self.out_tokens, out_len: &mut self.out_len },
-            &ca::Params { rows: ROWS, cols: COLS, vocab: VOCAB },
+            ca::Outputs {
+                accepted: &mut self.accepted,
+                out_tokens: &mut self.out_tokens,
+                out_len: &mut self.out_len,
+            },
+            &ca::Params {
+                rows: ROWS,
+                cols: COLS,
+                vocab: VOCAB,
+            },
         )?;
         Ok(())
     }
@@ -259,9 +349,30 @@ impl Round {
 
 fn metas() -> Vec<Meta> {
     vec![
-        Meta { ctx_start: [0, 10, 100], counts: [8, 3, 8], lanes: [0, 1, 2], live: [8, 5, 1], seeds: [1, 2, 3], temperature: [0.0, 0.7, 1.0] },
-        Meta { ctx_start: [64, 5, 700], counts: [2, 8, 0], lanes: [3, 0, 1], live: [2, 8, 8], seeds: [9, 1 << 40, 5], temperature: [1.3, 0.0, 0.6] },
-        Meta { ctx_start: [130, 0, 4000], counts: [8, 1, 5], lanes: [2, 3, 0], live: [1, 3, 6], seeds: [77, 78, 79], temperature: [0.9, 0.9, 0.0] },
+        Meta {
+            ctx_start: [0, 10, 100],
+            counts: [8, 3, 8],
+            lanes: [0, 1, 2],
+            live: [8, 5, 1],
+            seeds: [1, 2, 3],
+            temperature: [0.0, 0.7, 1.0],
+        },
+        Meta {
+            ctx_start: [64, 5, 700],
+            counts: [2, 8, 0],
+            lanes: [3, 0, 1],
+            live: [2, 8, 8],
+            seeds: [9, 1 << 40, 5],
+            temperature: [1.3, 0.0, 0.6],
+        },
+        Meta {
+            ctx_start: [130, 0, 4000],
+            counts: [8, 1, 5],
+            lanes: [2, 3, 0],
+            live: [1, 3, 6],
+            seeds: [77, 78, 79],
+            temperature: [0.9, 0.9, 0.0],
+        },
     ]
 }
 
@@ -303,14 +414,23 @@ pub fn check(cuda: &CudaBackend) -> Result<GraphResult> {
     for m in &metas {
         round.set_meta(&be, m)?;
         round.reset_state(&be)?;
-        graph.launch().map_err(|e| anyhow::anyhow!("graph launch: {e}"))?;
+        graph
+            .launch()
+            .map_err(|e| anyhow::anyhow!("graph launch: {e}"))?;
         be.synchronize()?;
         let replay = round.snapshot(&be)?;
         round.reset_state(&be)?;
         round.run(&be)?;
         be.synchronize()?;
         let eager = round.snapshot(&be)?;
-        mismatches.push(replay.iter().zip(&eager).filter(|(a, b)| a.1 != b.1).map(|(a, _)| a.0).collect());
+        mismatches.push(
+            replay
+                .iter()
+                .zip(&eager)
+                .filter(|(a, b)| a.1 != b.1)
+                .map(|(a, _)| a.0)
+                .collect(),
+        );
         per_meta.push(eager);
     }
     let varied = per_meta[0]
@@ -320,5 +440,9 @@ pub fn check(cuda: &CudaBackend) -> Result<GraphResult> {
         .map(|(_, (name, _))| *name)
         .collect();
     ensure!(per_meta.len() == metas.len(), "internal: replay count");
-    Ok(GraphResult { replays: metas.len(), mismatches, varied })
+    Ok(GraphResult {
+        replays: metas.len(),
+        mismatches,
+        varied,
+    })
 }

@@ -52,7 +52,12 @@ fn utc_now() -> String {
         .unwrap_or(0);
     let (y, m, d) = civil(secs.div_euclid(86_400));
     let s = secs.rem_euclid(86_400);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC", s / 3600, s / 60 % 60, s % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        s / 3600,
+        s / 60 % 60,
+        s % 60
+    )
 }
 
 /// The kernel driver version from `/proc/driver/nvidia/version` ("unknown" when absent).
@@ -63,7 +68,11 @@ fn driver_version() -> String {
             // "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release ..."
             let line = t.lines().next()?.to_string();
             line.split_whitespace()
-                .find(|w| w.split('.').count() >= 2 && w.split('.').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())))
+                .find(|w| {
+                    w.split('.').count() >= 2
+                        && w.split('.')
+                            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+                })
                 .map(str::to_string)
         })
         .unwrap_or_else(|| "unknown".into())
@@ -71,10 +80,22 @@ fn driver_version() -> String {
 
 fn run() -> Result<ExitCode> {
     let args: Vec<String> = std::env::args().collect();
-    let out_dir = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
-    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    let out_dir = args
+        .iter()
+        .position(|a| a == "--out")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
     let skip_heavy = args.iter().any(|a| a == "--skip-heavy");
-    let exclude = args.iter().position(|a| a == "--exclude").and_then(|i| args.get(i + 1)).cloned();
+    let exclude = args
+        .iter()
+        .position(|a| a == "--exclude")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
     let cuda = match CudaBackend::new(0) {
         Ok(c) => c,
         Err(e) => {
@@ -112,7 +133,12 @@ fn run() -> Result<ExitCode> {
         match (reference, device) {
             (Ok(r), Ok(d)) => {
                 for cmp in registry::compare(&case, &r, &d) {
-                    rows.push(Row { cmp, cpu_ms, gpu_ms, error: None });
+                    rows.push(Row {
+                        cmp,
+                        cpu_ms,
+                        gpu_ms,
+                        error: None,
+                    });
                 }
             }
             (r, d) => {
@@ -143,7 +169,12 @@ fn run() -> Result<ExitCode> {
             }
         }
         let last = rows.last().map(|r| r.cmp.pass).unwrap_or(false);
-        eprintln!("{:>5} {}/{} ({cpu_ms:.0} ms cpu, {gpu_ms:.1} ms cuda)", if last { "ok" } else { "FAIL" }, case.op, case.name);
+        eprintln!(
+            "{:>5} {}/{} ({cpu_ms:.0} ms cpu, {gpu_ms:.1} ms cuda)",
+            if last { "ok" } else { "FAIL" },
+            case.op,
+            case.name
+        );
     }
     let mut failed = rows.iter().filter(|r| !r.cmp.pass).count();
     let graph_md = match graph::check(match &gpu {
@@ -163,7 +194,14 @@ eager runs of the same metadata.\n\n| replay | outputs differing from eager |\n|
                 g.replays
             );
             for (i, m) in g.mismatches.iter().enumerate() {
-                s.push_str(&format!("| {i} | {} |\n", if m.is_empty() { "none".to_string() } else { m.join(", ") }));
+                s.push_str(&format!(
+                    "| {i} | {} |\n",
+                    if m.is_empty() {
+                        "none".to_string()
+                    } else {
+                        m.join(", ")
+                    }
+                ));
             }
             s.push_str(&format!(
                 "\nOutputs that changed across metadata sets (the metadata mattered): {}.\n\nVerdict: {}.\n",
@@ -223,7 +261,12 @@ Inputs = every input downloaded after the run equals what was uploaded.\n\n");
     md.push('\n');
     md.push_str(&graph_md);
     for r in rows.iter().filter(|r| r.error.is_some()) {
-        md.push_str(&format!("\n- error in {}/{}: {}\n", r.cmp.op, r.cmp.case, r.error.as_deref().unwrap_or("")));
+        md.push_str(&format!(
+            "\n- error in {}/{}: {}\n",
+            r.cmp.op,
+            r.cmp.case,
+            r.error.as_deref().unwrap_or("")
+        ));
     }
     println!("{md}");
     if let Some(dir) = out_dir {
@@ -234,7 +277,14 @@ Inputs = every input downloaded after the run equals what was uploaded.\n\n");
             "driver_cuda_version": info.driver_cuda_version, "nvrtc_version": info.nvrtc_version,
             "command": command, "rows": json_rows,
         });
-        std::fs::write(format!("{dir}/conformance.json"), serde_json::to_string_pretty(&json)?)?;
+        std::fs::write(
+            format!("{dir}/conformance.json"),
+            serde_json::to_string_pretty(&json)?,
+        )?;
     }
-    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
