@@ -122,6 +122,25 @@ pub fn bf16_rne(x: f32) -> bf16 {
     bf16::from_f32(x)
 }
 
+/// Round an f64 to bf16 ONCE, round-to-nearest-even on the exact f64 value.
+///
+/// This is the rounding of every f64 oracle in this crate. (`half::bf16::from_f64` truncates
+/// the low mantissa word first and can misround a value just above a tie.) It goes through f32
+/// with round-to-odd, which is exact for a final 8-bit significand because f32 keeps at least
+/// 8 + 2 bits more, also in the subnormal range (bf16 and f32 share the exponent range).
+pub fn bf16_rne_f64(x: f64) -> bf16 {
+    let f = x as f32; // RNE to f32
+    if x.is_nan() || f.is_infinite() || f64::from(f) == x {
+        return bf16::from_f32(f);
+    }
+    // Round to odd: the f32 neighbour toward zero, with its lowest bit forced to 1.
+    let mut bits = f.to_bits();
+    if f64::from(f).abs() > x.abs() {
+        bits -= 1; // one f32 ulp toward zero (same sign; f != 0 here)
+    }
+    bf16::from_f32(f32::from_bits(bits | 1))
+}
+
 /// Round an f32 to f16, round-to-nearest-even.
 #[inline]
 pub fn f16_rne(x: f32) -> f16 {

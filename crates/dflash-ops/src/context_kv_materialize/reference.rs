@@ -3,7 +3,8 @@
 
 use half::{bf16, f16};
 
-use crate::gemm::reference::{bf16_from_f64, matmul_f64};
+use crate::bf16_rne_f64;
+use crate::gemm::reference::matmul_f64;
 use crate::head_norm_rope::reference::head_norm_rope_f64;
 use crate::{OpsError, Result};
 
@@ -153,8 +154,8 @@ pub(super) fn run(
                 &mut k,
             );
             for j in 0..d {
-                cache_k[dst + j] = bf16_from_f64(k[j]);
-                cache_v[dst + j] = f16::from_f32(bf16_from_f64(v_raw[src + j]).to_f32());
+                cache_k[dst + j] = bf16_rne_f64(k[j]);
+                cache_v[dst + j] = f16::from_f32(bf16_rne_f64(v_raw[src + j]).to_f32());
             }
         }
     }

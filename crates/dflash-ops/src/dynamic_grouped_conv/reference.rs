@@ -1,7 +1,7 @@
 //! CPU reference of `dynamic_grouped_conv`: the contract in f64, column by column.
 
 use crate::bf16;
-use crate::residual_add::bf16_rne_f64;
+use crate::bf16_rne_f64;
 
 use super::ConvParams;
 

@@ -2,7 +2,8 @@
 
 use half::bf16;
 
-use crate::gemm::reference::{bf16_from_f64, matmul_f64};
+use crate::bf16_rne_f64;
+use crate::gemm::reference::matmul_f64;
 use crate::rms_norm::reference::plain_rms_norm_f64;
 
 pub(super) fn run(
@@ -20,7 +21,7 @@ pub(super) fn run(
     for (row, o) in proj.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
         plain_rms_norm_f64(row, context_norm, eps, &mut n);
         for (dst, &v) in o.iter_mut().zip(&n) {
-            *dst = bf16_from_f64(v);
+            *dst = bf16_rne_f64(v);
         }
     }
 }

@@ -1,7 +1,7 @@
 #![allow(clippy::needless_range_loop)] // reason: index loops mirror the contract formulas
 
 use super::*;
-use crate::gemm::reference::bf16_from_f64;
+use crate::bf16_rne_f64;
 use proptest::prelude::*;
 
 fn b(v: &[f32]) -> Vec<bf16> {
@@ -62,7 +62,7 @@ fn projection_is_not_rounded_before_the_norm() {
     let c = project(&s, &w, &b(&[1.0, 1.0]), &p).expect("run");
     let exact = |p0: f64, p1: f64| {
         let rms = ((p0 * p0 + p1 * p1) / 2.0).sqrt();
-        [bf16_from_f64(p0 / rms), bf16_from_f64(p1 / rms)]
+        [bf16_rne_f64(p0 / rms), bf16_rne_f64(p1 / rms)]
     };
     let want = exact(261.0, 200.0);
     let rounded_first = exact(260.0, 200.0);
@@ -139,7 +139,7 @@ proptest! {
                 let want = f64::from(norm[i].to_f32()) * proj[i] / rms;
                 let got = c[tok * h + i];
                 prop_assert!(
-                    got == bf16_from_f64(want)
+                    got == bf16_rne_f64(want)
                         || (f64::from(got.to_f32()) - want).abs() <= want.abs() * 2f64.powi(-8) * (1.0 + 1e-12),
                     "token {} i {}: {} vs {}", tok, i, got, want
                 );

@@ -1,30 +1,12 @@
 //! CPU reference of `gemm`: f64 dot products of the represented BF16 inputs, rounded once.
 //!
 //! Also the shared oracle helpers of the dense ops: [`matmul_f64`] (used by
-//! `feature_projection` and `context_kv_materialize`) and [`bf16_from_f64`] (the one
+//! `feature_projection` and `context_kv_materialize`) and [`bf16_rne_f64`] (the one
 //! correctly rounded f64 -> BF16 cast of every reference in this crate).
 
 use half::bf16;
 
-/// `x` rounded to BF16, round-to-nearest-even, ONE rounding from the f64 value.
-///
-/// (`half::bf16::from_f64` truncates the low mantissa word first, which can misround a value
-/// just above a tie; this goes through round-to-odd f32, which is exact for a final 8-bit
-/// significand: 24 >= 8 + 2 bits.)
-pub(crate) fn bf16_from_f64(x: f64) -> bf16 {
-    if !x.is_finite() {
-        return bf16::from_f32(x as f32);
-    }
-    let mut t = x as f32; // RNE to f32
-    if f64::from(t) != x {
-        // Round to odd: take the f32 neighbour toward zero, then force its last bit to 1.
-        if f64::from(t).abs() > x.abs() {
-            t = f32::from_bits(t.to_bits() - 1); // one step toward zero (same sign)
-        }
-        t = f32::from_bits(t.to_bits() | 1);
-    }
-    bf16::from_f32(t)
-}
+use crate::bf16_rne_f64;
 
 /// The number of worker threads the CPU references use for `work` independent items.
 pub(crate) fn threads_for(work: usize) -> usize {
@@ -117,6 +99,6 @@ pub(super) fn run_f32(a: &[bf16], w: &[bf16], out: &mut [f32], m: usize, n: usiz
 pub(super) fn run_bf16(a: &[bf16], w: &[bf16], out: &mut [bf16], m: usize, n: usize, k: usize) {
     let c = matmul_f64(a, w, m, n, k);
     for (o, v) in out.iter_mut().zip(c) {
-        *o = bf16_from_f64(v);
+        *o = bf16_rne_f64(v);
     }
 }

@@ -61,20 +61,20 @@ fn f32_output_is_unrounded_and_bf16_output_rounds_once_to_nearest_even() {
 
 #[test]
 fn bf16_from_f64_rounds_once_not_twice() {
-    use reference::bf16_from_f64;
+    use crate::bf16_rne_f64;
     // 1 + 2^-8 + 2^-40: f64 -> f32 would round to the tie 1 + 2^-8 and then to 1.0; the
     // correct single rounding is up, to 1 + 2^-7.
     let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
-    assert_eq!(bf16_from_f64(x).to_bits(), 0x3f81);
-    assert_eq!(bf16_from_f64(-x).to_bits(), 0xbf81);
-    assert_eq!(bf16_from_f64(1.0 + 2f64.powi(-8)).to_bits(), 0x3f80);
-    assert_eq!(bf16_from_f64(1.0 + 3.0 * 2f64.powi(-8)).to_bits(), 0x3f82);
-    assert_eq!(bf16_from_f64(0.0).to_bits(), 0);
-    assert_eq!(bf16_from_f64(-0.0).to_bits(), 0x8000);
-    assert!(bf16_from_f64(1e39).is_infinite());
-    assert!(bf16_from_f64(f64::NAN).is_nan());
+    assert_eq!(bf16_rne_f64(x).to_bits(), 0x3f81);
+    assert_eq!(bf16_rne_f64(-x).to_bits(), 0xbf81);
+    assert_eq!(bf16_rne_f64(1.0 + 2f64.powi(-8)).to_bits(), 0x3f80);
+    assert_eq!(bf16_rne_f64(1.0 + 3.0 * 2f64.powi(-8)).to_bits(), 0x3f82);
+    assert_eq!(bf16_rne_f64(0.0).to_bits(), 0);
+    assert_eq!(bf16_rne_f64(-0.0).to_bits(), 0x8000);
+    assert!(bf16_rne_f64(1e39).is_infinite());
+    assert!(bf16_rne_f64(f64::NAN).is_nan());
     // Just below the overflow threshold of bf16 stays finite.
-    assert_eq!(bf16_from_f64(3.389e38).to_bits(), 0x7f7f);
+    assert_eq!(bf16_rne_f64(3.389e38).to_bits(), 0x7f7f);
 }
 
 #[test]
@@ -151,7 +151,7 @@ proptest! {
             let mut o = be.filled(m * n, bf16::POISON).expect("alloc");
             run_bf16(&be, &ab, &wb, &mut o, &p).expect("run");
             for (got, want) in be.download(&o).expect("dl").iter().zip(&want) {
-                prop_assert_eq!(got.to_bits(), reference::bf16_from_f64(*want).to_bits());
+                prop_assert_eq!(got.to_bits(), crate::bf16_rne_f64(*want).to_bits());
             }
         } else {
             let mut o = be.filled(m * n, f32::POISON).expect("alloc");

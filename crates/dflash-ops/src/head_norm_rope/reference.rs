@@ -2,7 +2,7 @@
 
 use half::bf16;
 
-use crate::gemm::reference::bf16_from_f64;
+use crate::bf16_rne_f64;
 
 /// 2*pi as the f64 constant both the reference and the kernels reduce angles with.
 pub(crate) const TWO_PI: f64 = std::f64::consts::TAU;
@@ -76,7 +76,7 @@ pub(super) fn run(
                 }
                 head_norm_rope_f64(&xf, w, pos, theta, eps, &mut of);
                 for (o, &v) in yr[base..base + d].iter_mut().zip(&of) {
-                    *o = bf16_from_f64(v);
+                    *o = bf16_rne_f64(v);
                 }
             }
         }

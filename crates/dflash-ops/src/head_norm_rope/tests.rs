@@ -166,7 +166,7 @@ proptest! {
         let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / d as f64 + 1e-6f32 as f64).sqrt();
         let n: Vec<f64> = (0..d).map(|j| f64::from(w[j].to_f32()) * f64::from(x[j]) / rms).collect();
         for j in 0..d {
-            prop_assert_eq!(out[j], crate::gemm::reference::bf16_from_f64(n[j]));
+            prop_assert_eq!(out[j], crate::bf16_rne_f64(n[j]));
         }
         for j in 0..half_d {
             let before = n[j].hypot(n[j + half_d]);

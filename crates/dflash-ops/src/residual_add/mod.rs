@@ -40,23 +40,6 @@ pub struct ResidualAddParams {
     pub n: usize,
 }
 
-/// Round an f64 to bf16 once, round-to-nearest-even (correct for every f64, unlike a
-/// truncating conversion: it goes through f32 with round-to-odd, which has enough extra bits
-/// to make the second rounding exact).
-pub(crate) fn bf16_rne_f64(x: f64) -> bf16 {
-    let f = x as f32;
-    if x.is_nan() || f64::from(f) == x || f.is_infinite() {
-        return bf16::from_f32(f);
-    }
-    // Round to odd: truncate toward zero, then set the sticky lowest bit.
-    let mut bits = f.to_bits();
-    if f64::from(f).abs() > x.abs() {
-        bits -= 1; // magnitude one f32 ulp smaller (same sign; f != 0 here)
-    }
-    bits |= 1;
-    bf16::from_f32(f32::from_bits(bits))
-}
-
 fn check(
     x: &Buffer<bf16>,
     y: &Buffer<bf16>,

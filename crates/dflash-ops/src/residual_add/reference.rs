@@ -2,7 +2,7 @@
 
 use crate::bf16;
 
-use super::bf16_rne_f64;
+use crate::bf16_rne_f64;
 
 pub(super) fn add(x: &[bf16], y: &[bf16], out: &mut [bf16]) {
     for ((o, a), b) in out.iter_mut().zip(x).zip(y) {

@@ -1,5 +1,5 @@
 use super::*;
-use crate::OpsError;
+use crate::{OpsError, bf16_rne_f64};
 use proptest::prelude::*;
 
 fn b(v: f32) -> bf16 {

@@ -2,7 +2,7 @@
 
 use half::bf16;
 
-use crate::gemm::reference::bf16_from_f64;
+use crate::bf16_rne_f64;
 
 /// `out[j] = w[j] * x[j] / sqrt(mean(x^2) + eps)` in f64 (unrounded), for one row.
 ///
@@ -33,7 +33,7 @@ pub(super) fn run<T: Copy>(
         }
         plain_rms_norm_f64(&xf, w, eps, &mut nf);
         for (o, &v) in yr.iter_mut().zip(&nf) {
-            *o = bf16_from_f64(v);
+            *o = bf16_rne_f64(v);
         }
     }
 }

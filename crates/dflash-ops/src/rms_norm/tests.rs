@@ -1,7 +1,7 @@
 #![allow(clippy::needless_range_loop)] // reason: index loops mirror the contract formulas
 
 use super::*;
-use crate::gemm::reference::bf16_from_f64;
+use crate::bf16_rne_f64;
 use proptest::prelude::*;
 
 fn b(v: &[f32]) -> Vec<bf16> {
@@ -131,7 +131,7 @@ proptest! {
                 let got = f64::from(y[r * h + j].to_f32());
                 // Division vs multiplication by the reciprocal differ in the last f64 bit:
                 // allow the neighbouring BF16 value only when the exact value is that close.
-                let exact = bf16_from_f64(want);
+                let exact = bf16_rne_f64(want);
                 prop_assert!(
                     y[r * h + j] == exact || (got - want).abs() <= want.abs() * 2f64.powi(-8) * (1.0 + 1e-12),
                     "row {} j {}: {} vs {}", r, j, got, want

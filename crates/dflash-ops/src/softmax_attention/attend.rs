@@ -5,6 +5,7 @@
 //! The two ops differ only in where context position `p` of a row is stored (a ring slot or a
 //! page slot) and in the optional window `S`; everything else lives here once.
 
+use crate::bf16_rne_f64;
 use half::{bf16, f16};
 
 use crate::registry::{CaseOutput, Criterion, output};
@@ -215,30 +216,6 @@ pub(crate) fn check_rows(
     Ok(())
 }
 
-/// Round an f64 to bf16 once, round-to-nearest-even (ties to even on the exact f64 value).
-///
-/// `half`'s own f64 conversion drops the low 32 mantissa bits before rounding, which can
-/// misround values just above a tie; this one rounds the full f64 mantissa.
-pub(crate) fn bf16_from_f64_rne(x: f64) -> bf16 {
-    if !x.is_finite() {
-        return bf16::from_f32(x as f32);
-    }
-    if x.abs() < f64::from(f32::MIN_POSITIVE) {
-        // bf16 subnormals share f32's grid below 2^-126; their spacing (2^-133) is far above
-        // f64's, so rounding to f32 first is exact up to the f32 grid (2^-149) and the second
-        // rounding can only misplace an exact tie that f64 -> f32 created. Outputs of this
-        // size never occur in attention over represented inputs except exact zeros.
-        return bf16::from_f32(x as f32);
-    }
-    // Round the 52-bit mantissa to 7 bits, ties to even, in the f64 bit pattern; the result is
-    // exactly representable in f32 (or overflows to infinity, as RNE does).
-    let bits = x.to_bits();
-    let shift = 52 - 7;
-    let lsb = (bits >> shift) & 1;
-    let rounded = (bits + ((1u64 << (shift - 1)) - 1) + lsb) & !((1u64 << shift) - 1);
-    bf16::from_f32(f64::from_bits(rounded) as f32)
-}
-
 /// Where the context of a row lives and which of its positions a query column may see.
 pub(crate) trait ContextMap {
     /// The window `S` (local layers) or `None` (full layers).
@@ -323,7 +300,7 @@ pub(crate) fn reference(g: &Geometry, ctx: &impl ContextMap, x: &Inputs<'_>, out
                     }
                 }
                 for (dst, a) in out[o..o + d].iter_mut().zip(&acc) {
-                    *dst = bf16_from_f64_rne(a / sum);
+                    *dst = bf16_rne_f64(a / sum);
                 }
             }
         }
@@ -548,30 +525,27 @@ mod tests {
     fn f64_rounding_is_single_rne() {
         // Exactly representable values pass through.
         for v in [0.0, 1.0, -2.5, 0.009765625, 3.0e38] {
-            assert_eq!(bf16_from_f64_rne(v), bf16::from_f64(v), "{v}");
+            assert_eq!(bf16_rne_f64(v), bf16::from_f64(v), "{v}");
         }
         // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: ties to even (1.0).
-        assert_eq!(bf16_from_f64_rne(1.0 + 2f64.powi(-8)).to_bits(), 0x3f80);
+        assert_eq!(bf16_rne_f64(1.0 + 2f64.powi(-8)).to_bits(), 0x3f80);
         // 1 + 3 * 2^-8 ties between 1 + 2^-7 (odd) and 1 + 2^-6 (even): rounds up.
-        assert_eq!(
-            bf16_from_f64_rne(1.0 + 3.0 * 2f64.powi(-8)).to_bits(),
-            0x3f82
-        );
+        assert_eq!(bf16_rne_f64(1.0 + 3.0 * 2f64.powi(-8)).to_bits(), 0x3f82);
         // Just above the tie by 2^-40 (lost by a 32-bit truncation): must round up.
         assert_eq!(
-            bf16_from_f64_rne(1.0 + 2f64.powi(-8) + 2f64.powi(-40)).to_bits(),
+            bf16_rne_f64(1.0 + 2f64.powi(-8) + 2f64.powi(-40)).to_bits(),
             0x3f81
         );
         assert_eq!(
-            bf16_from_f64_rne(-(1.0 + 2f64.powi(-8) + 2f64.powi(-40))).to_bits(),
+            bf16_rne_f64(-(1.0 + 2f64.powi(-8) + 2f64.powi(-40))).to_bits(),
             0xbf81
         );
         // Below the tie rounds down; mantissa carry moves to the next binade.
         assert_eq!(
-            bf16_from_f64_rne(1.0 + 2f64.powi(-8) - 2f64.powi(-40)).to_bits(),
+            bf16_rne_f64(1.0 + 2f64.powi(-8) - 2f64.powi(-40)).to_bits(),
             0x3f80
         );
-        assert_eq!(bf16_from_f64_rne(2.0 - 2f64.powi(-9)).to_bits(), 0x4000);
+        assert_eq!(bf16_rne_f64(2.0 - 2f64.powi(-9)).to_bits(), 0x4000);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! CPU reference of `swiglu`: f64 silu and product from the represented inputs, one rounding.
 
 use crate::bf16;
-use crate::residual_add::bf16_rne_f64;
+use crate::bf16_rne_f64;
 
 /// `silu(x) = x / (1 + exp(-x))` in f64.
 pub(super) fn silu(x: f64) -> f64 {

@@ -43,10 +43,8 @@ fn product_is_rounded_once_not_silu_first() {
         let u = b(3.0 + gi as f32 * 0.013);
         let got = swiglu(&[g], &[u], 1, 1)[0];
         let s = reference::silu(g.to_f64());
-        let once = crate::residual_add::bf16_rne_f64(s * u.to_f64());
-        let twice = crate::residual_add::bf16_rne_f64(
-            crate::residual_add::bf16_rne_f64(s).to_f64() * u.to_f64(),
-        );
+        let once = crate::bf16_rne_f64(s * u.to_f64());
+        let twice = crate::bf16_rne_f64(crate::bf16_rne_f64(s).to_f64() * u.to_f64());
         assert_eq!(got.to_bits(), once.to_bits(), "g={g} u={u}");
         if once != twice {
             found += 1;
@@ -142,7 +140,7 @@ proptest! {
         for i in 0..n {
             let g = gate[i].to_f64();
             let sig = 1.0 / (1.0 + (-g).exp());
-            let want = crate::residual_add::bf16_rne_f64(g * sig * up[i].to_f64());
+            let want = crate::bf16_rne_f64(g * sig * up[i].to_f64());
             // g * sigmoid and g / (1 + e^-g) may differ in the last f64 bit: allow only a
             // one-ulp disagreement, and only at a bf16 rounding boundary.
             prop_assert!(
