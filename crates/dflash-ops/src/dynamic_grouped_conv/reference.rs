@@ -37,7 +37,10 @@ pub(super) fn prepare(
             plain_rmsnorm(&x[col * h..(col + 1) * h], norm_w, p.eps, &mut n_cur);
             for (k, d) in delta.iter_mut().enumerate() {
                 let wk = &w_delta[k * h..(k + 1) * h];
-                *d = wk.iter().zip(&n_cur).map(|(&wv, &nv)| f(wv) * nv).sum();
+                *d = wk
+                    .iter()
+                    .zip(&n_cur)
+                    .fold(0.0, |s, (&wv, &nv)| s + f(wv) * nv);
             }
             for c in 0..h {
                 let g = c / p.group;

@@ -65,7 +65,8 @@ pub(crate) fn matmul_f64_threads(
                         }
                         for i in 0..m {
                             let arow = &af[i * k..(i + 1) * k];
-                            let dot: f64 = arow.iter().zip(&wrow).map(|(x, y)| x * y).sum();
+                            // Start from +0.0 (as an accumulator on the device does): `Sum` starts from -0.0.
+                            let dot: f64 = arow.iter().zip(&wrow).fold(0.0, |s, (x, y)| s + x * y);
                             block[i * len + (j - j0)] = dot;
                         }
                     }
