@@ -1,142 +1,384 @@
-//! `dflash`: validate the bundled official example configs and print their derived geometry.
+//! `dflash`: the README's main job — end-to-end speculative decoding on an embedded default.
 //!
-//! For now this is the README's main job: it loads each official draft (nested and legacy
-//! layouts) with its Qwen3.5 target, validates the pair and startup options, and prints the
-//! layers, ring capacity, ring image bytes and per-round transient sizes.
+//! By default it writes a synthetic DFlash (or DFlash2) draft checkpoint matched to the
+//! reference hybrid target of `dflash-testkit` into a scratch directory, decodes a few prompts
+//! with speculative decoding on the CPU, prints a per-round trace and a summary, and checks
+//! that the output equals plain greedy target decoding (exit status 1 on a mismatch).
+//!
+//! Flags: `--backend dflash|dflash2`, `--k N` (1..=15), `--b N` (1..=8), `--temperature T`,
+//! `--seed S`, `--prompts N`, `--max-new N`, `--device cpu|cuda` (cuda needs the `cuda`
+//! feature: the draft, context and verification run on the GPU, the target stays the CPU
+//! reference whose outputs are uploaded), `--oracle RHO` (replace the draft by the shadow
+//! oracle proposer: the target's own greedy tokens with probability RHO, random ones otherwise,
+//! to show long acceptances), `--quiet` (no per-round trace), `--geometry` (print the bundled
+//! official configs' geometry instead).
 
 #![allow(clippy::print_stdout)] // reason: a binary reports on stdout
 
-use anyhow::{Context, Result, ensure};
-use dflash_config::{
-    DraftConfig, Geometry, LayerKind, ParseMode, StartupOptions, TargetTextConfig, examples,
-    validate_pair,
+mod geometry;
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use dflash_cli::shadow::{ShadowProposer, Strategy};
+use dflash_cli::{Fixture, demo_prompts, format_step, target_geometry};
+use dflash_config::{Backend as DraftBackend, StartupOptions};
+use dflash_engine::{
+    Engine, EngineOptions, EngineStats, Event, FinishReason, Proposer, Request, RequestId,
+    SamplingSettings, StopConditions, Target, plain_decode,
 };
+use dflash_ops::Backend;
 
-const MIB: f64 = 1024.0 * 1024.0;
-
-fn mib(bytes: u64) -> String {
-    #[allow(clippy::cast_precision_loss)] // reason: display only
-    let m = bytes as f64 / MIB;
-    format!("{bytes} B ({m:.2} MiB)")
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Device {
+    Cpu,
+    Cuda,
 }
 
-fn report(name: &str, draft_json: &str, target_json: &str) -> Result<Geometry> {
-    let draft = DraftConfig::from_json_str(draft_json, ParseMode::Strict)
-        .with_context(|| format!("{name}: draft config"))?;
-    let target = TargetTextConfig::from_json_str(target_json)
-        .and_then(|t| t.with_public_vocab_size(examples::QWEN35_PUBLIC_VOCAB_SIZE))
-        .with_context(|| format!("{name}: target config"))?;
-    let g = validate_pair(&draft.value, &target).with_context(|| format!("{name}: pair"))?;
+#[derive(Debug, Clone)]
+struct Args {
+    backend: DraftBackend,
+    k: u32,
+    b: u32,
+    temperature: f32,
+    seed: u64,
+    prompts: usize,
+    max_new: usize,
+    device: Device,
+    oracle: Option<f64>,
+    quiet: bool,
+    geometry: bool,
+}
 
-    println!("== {name}");
+const USAGE: &str = "usage: dflash [--backend dflash|dflash2] [--k N] [--b N] [--temperature T] \
+[--seed S] [--prompts N] [--max-new N] [--device cpu|cuda] [--oracle RHO] [--quiet] [--geometry]";
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args {
+        backend: DraftBackend::DFlash,
+        k: 7,
+        b: 4,
+        temperature: 0.0,
+        seed: 1,
+        prompts: 4,
+        max_new: 32,
+        device: Device::Cpu,
+        oracle: None,
+        quiet: false,
+        geometry: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .with_context(|| format!("{name} needs a value\n{USAGE}"))
+        };
+        match flag.as_str() {
+            "--backend" => {
+                a.backend = match value("--backend")?.as_str() {
+                    "dflash" => DraftBackend::DFlash,
+                    "dflash2" => DraftBackend::DFlash2,
+                    other => bail!("--backend: `{other}` is not dflash or dflash2"),
+                }
+            }
+            "--k" => a.k = value("--k")?.parse().context("--k: not a number")?,
+            "--b" => a.b = value("--b")?.parse().context("--b: not a number")?,
+            "--temperature" => {
+                a.temperature = value("--temperature")?
+                    .parse()
+                    .context("--temperature: not a number")?
+            }
+            "--seed" => a.seed = value("--seed")?.parse().context("--seed: not a number")?,
+            "--prompts" => {
+                a.prompts = value("--prompts")?
+                    .parse()
+                    .context("--prompts: not a number")?
+            }
+            "--max-new" => {
+                a.max_new = value("--max-new")?
+                    .parse()
+                    .context("--max-new: not a number")?
+            }
+            "--device" => {
+                a.device = match value("--device")?.as_str() {
+                    "cpu" => Device::Cpu,
+                    "cuda" => Device::Cuda,
+                    other => bail!("--device: `{other}` is not cpu or cuda"),
+                }
+            }
+            "--oracle" => {
+                let rho: f64 = value("--oracle")?
+                    .parse()
+                    .context("--oracle: not a number")?;
+                if !(0.0..=1.0).contains(&rho) {
+                    bail!("--oracle: {rho} is not a probability in [0, 1]");
+                }
+                a.oracle = Some(rho);
+            }
+            "--quiet" => a.quiet = true,
+            "--geometry" => a.geometry = true,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown flag `{other}`\n{USAGE}"),
+        }
+    }
+    if a.prompts == 0 {
+        bail!("--prompts must be at least 1");
+    }
+    Ok(a)
+}
+
+fn backend(device: Device) -> Result<Backend> {
+    match device {
+        Device::Cpu => Ok(Backend::cpu()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => Ok(Backend::Cuda(
+            dflash_ops::cuda::CudaBackend::new(0).context("opening CUDA device 0")?,
+        )),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => bail!("--device cuda needs a build with `--features cuda`"),
+    }
+}
+
+/// What one engine run produced.
+struct Run {
+    ids: Vec<RequestId>,
+    outputs: HashMap<RequestId, Vec<u32>>,
+    finishes: HashMap<RequestId, FinishReason>,
+    stats: EngineStats,
+    held: (usize, usize),
+    unfinished: usize,
+    time: std::time::Duration,
+}
+
+/// Submit every request, step until idle printing the trace, and collect the results.
+fn drive<T: Target, P: Proposer>(
+    engine: &mut Engine<T, P>,
+    requests: &[Request],
+    quiet: bool,
+) -> Result<Run> {
     println!(
-        "backend {:?}; H {} Hq {} Hkv {} D {} I {}; eps {:e} theta {:e}",
-        g.backend,
-        g.hidden,
-        g.q_heads,
-        g.kv_heads,
-        g.head_dim,
-        g.intermediate,
-        g.rms_norm_eps,
-        g.rope_theta
+        "memory plan: {} bytes ({})",
+        engine.memory_plan().total(),
+        engine.memory_plan()
     );
-    println!(
-        "target: {} layers, ids {:?} (feature width {}), vocab rows {}, public {}, mask {:?}",
-        g.target_layers,
-        g.target_layer_ids,
-        g.feature_width,
-        g.vocab_rows,
-        examples::QWEN35_PUBLIC_VOCAB_SIZE,
-        g.mask_token_id
-    );
-    let kinds: Vec<String> = g
-        .layers
+    let mut ids = Vec::new();
+    for r in requests {
+        ids.push(engine.submit(r.clone())?);
+    }
+    let mut outputs: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut finishes: HashMap<RequestId, FinishReason> = HashMap::new();
+    let t = Instant::now();
+    let mut sink = |e: &Event| match e {
+        Event::Tokens { id, tokens, .. } => outputs.entry(*id).or_default().extend(tokens),
+        Event::Finished { id, reason, .. } => {
+            finishes.insert(*id, *reason);
+        }
+    };
+    while let Some(step) = engine.step(&mut sink)? {
+        if !quiet {
+            for line in format_step(&step) {
+                println!("{line}");
+            }
+        }
+    }
+    let time = t.elapsed();
+    let unfinished = ids
         .iter()
-        .map(|l| match l {
-            LayerKind::Local { window } => format!("local(S={window})"),
-            LayerKind::Full => "full".to_owned(),
-        })
-        .collect();
-    println!("layers: [{}]", kinds.join(", "));
-    println!(
-        "ring capacity S {:?}; {} local, {} full; full-layer pool: {}",
-        g.ring_capacity,
-        g.local_layers,
-        g.full_layers,
-        if g.has_full_pool { "yes" } else { "no" }
-    );
-    println!("ring state image: {}", mib(g.ring_image_bytes));
-    if let Some(p) = g.dflash2 {
-        println!(
-            "conv: {} taps, group {}; selector: rank {}, top-{}",
-            p.conv_kernel_size, p.conv_group_size, p.selector_rank, p.selector_top_k
-        );
-    }
-    for (k, b) in [(7, 1), (15, 8)] {
-        let s = StartupOptions {
-            concurrency: b,
-            ..StartupOptions::new(g.backend, k)
-        }
-        .validate(&g)
-        .with_context(|| format!("{name}: startup K={k} B={b}"))?;
-        let t = s.transient;
-        println!(
-            "round scratch K={k} (W={}) B={b}: total {}",
-            s.block_width,
-            mib(t.total())
-        );
-        println!(
-            "  hidden {} | query {} | query-block K/V {} | MLP {} | verify features {}",
-            t.block_hidden, t.block_query, t.query_block_kv, t.mlp_activations, t.verify_features
-        );
-        if g.dflash2.is_some() {
-            println!(
-                "  candidates ids {} scores {} q {} | selector hidden {} | conv input {} delta {}",
-                t.candidate_ids,
-                t.candidate_scores,
-                t.candidate_q,
-                t.selector_hidden,
-                t.conv_prepared_input,
-                t.conv_finish_delta
-            );
-        }
-    }
-    println!();
-    Ok(g)
+        .filter(|id| engine.finished(**id).is_none())
+        .count();
+    Ok(Run {
+        ids,
+        outputs,
+        finishes,
+        stats: engine.stats().clone(),
+        held: engine.held(),
+        unfinished,
+        time,
+    })
+}
+
+fn first_difference(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 fn main() -> Result<()> {
-    let cases = [
-        (
-            "Qwen3.5-35B-A3B DFlash (nested config)",
-            examples::OFFICIAL_35B_DFLASH_DRAFT,
-            examples::QWEN35_35B_A3B_TARGET,
-        ),
-        (
-            "Qwen3.5-35B-A3B DFlash (legacy config)",
-            examples::OFFICIAL_35B_DFLASH_DRAFT_LEGACY,
-            examples::QWEN35_35B_A3B_TARGET,
-        ),
-        (
-            "Qwen3.5-27B DFlash2 (nested config)",
-            examples::OFFICIAL_27B_DFLASH2_DRAFT,
-            examples::QWEN35_27B_TARGET,
-        ),
-        (
-            "Qwen3.5-27B DFlash2 (legacy config)",
-            examples::OFFICIAL_27B_DFLASH2_DRAFT_LEGACY,
-            examples::QWEN35_27B_TARGET,
-        ),
-    ];
-    for (name, draft, target) in cases {
-        let g = report(name, draft, target)?;
-        if g.dflash2.is_some() {
-            ensure!(
-                g.ring_image_bytes == 40 << 20,
-                "{name}: ring image must be 40 MiB"
-            );
+    let args = parse_args()?;
+    if args.geometry {
+        return geometry::report_all();
+    }
+    let be = backend(args.device)?;
+    let g = target_geometry();
+    println!(
+        "dflash: speculative decoding on the embedded default: {:?} K={} B={} temperature {} seed {} on {}",
+        args.backend,
+        args.k,
+        args.b,
+        args.temperature,
+        args.seed,
+        be.name()
+    );
+    let fixture = Fixture::write(args.backend).context("writing the embedded default")?;
+    let mut target = fixture.target()?;
+    let model = fixture.draft(&be)?;
+    println!(
+        "target: reference hybrid (H {}, {} blocks, vocab {} rows / {} public, EOS {}), on the CPU; \
+draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
+        g.hidden,
+        g.layers(),
+        g.vocab_rows,
+        g.public_vocab,
+        g.eos_token_id,
+        args.backend,
+        model.geometry().layers.len(),
+        model.geometry().target_layer_ids,
+        be.name()
+    );
+
+    let sampling = if args.temperature > 0.0 {
+        SamplingSettings::sampling(args.temperature)
+    } else {
+        SamplingSettings::GREEDY
+    };
+    let requests: Vec<Request> = demo_prompts(args.prompts, args.seed)
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| Request {
+            prompt,
+            max_new_tokens: args.max_new,
+            sampling,
+            seed: args.seed.wrapping_add(i as u64),
+            stop: StopConditions::eos(g.eos_token_id),
+        })
+        .collect();
+
+    // The baseline: plain target decoding on the CPU (greedy runs are checked against it).
+    let greedy = sampling.temperature <= 0.0;
+    let t0 = Instant::now();
+    let mut expected = Vec::new();
+    if greedy {
+        for r in &requests {
+            expected.push(plain_decode(&mut target, &Backend::cpu(), r)?.tokens);
         }
     }
-    println!("all example configs validated");
+    let baseline_time = t0.elapsed();
+
+    let max_context = requests
+        .iter()
+        .map(|r| r.prompt.len() + r.max_new_tokens)
+        .max()
+        .unwrap_or(1);
+    let options = EngineOptions {
+        startup: StartupOptions {
+            concurrency: args.b,
+            ..StartupOptions::new(args.backend, args.k)
+        },
+        max_context,
+        page_size: 16,
+        memory_budget: 1 << 30,
+    };
+    let run = if let Some(rho) = args.oracle {
+        let proposer = ShadowProposer::new(
+            fixture.target()?,
+            Strategy::Oracle { rho },
+            args.k as usize,
+            args.b as usize,
+            args.seed,
+        )?;
+        println!("proposer: shadow oracle (the target's own greedy token with probability {rho})");
+        let mut engine = Engine::new(target, proposer, be.clone(), &options)?;
+        drive(&mut engine, &requests, args.quiet)?
+    } else {
+        let parts = fixture.parts(&be)?;
+        let mut engine = Engine::with_draft(target, model, parts, &options)?;
+        drive(&mut engine, &requests, args.quiet)?
+    };
+    let Run {
+        ids,
+        outputs,
+        finishes,
+        stats,
+        held: (held_seqs, held_slots),
+        unfinished,
+        time: spec_time,
+    } = run;
+
+    println!();
+    for (i, id) in ids.iter().enumerate() {
+        let out = outputs.get(id).map(Vec::as_slice).unwrap_or_default();
+        let reason = finishes
+            .get(id)
+            .map_or_else(|| "unfinished".to_owned(), ToString::to_string);
+        println!(
+            "{id}: prompt {} tokens -> {} tokens ({reason})",
+            requests[i].prompt.len(),
+            out.len()
+        );
+    }
+    let row_rounds = stats.row_rounds.max(1) as f64;
+    let secs = spec_time.as_secs_f64();
+    println!(
+        "summary: {} requests, {} tokens, {} rounds ({} row-rounds), mean accepted per row-round {:.2} \
+({} of {} proposals), tokens per row-round {:.2}, time {:.3} s ({:.0} tokens/s); plain decoding {:.3} s",
+        ids.len(),
+        stats.tokens,
+        stats.rounds,
+        stats.row_rounds,
+        stats.accepted as f64 / row_rounds,
+        stats.accepted,
+        stats.proposed,
+        (stats.tokens as f64 - ids.len() as f64) / row_rounds,
+        secs,
+        stats.tokens as f64 / secs.max(1e-9),
+        baseline_time.as_secs_f64()
+    );
+    let commits: Vec<String> = stats
+        .commits
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c > 0)
+        .map(|(n, c)| format!("N={n}: {c}"))
+        .collect();
+    println!("commits: {}", commits.join(", "));
+    if held_seqs != 0 || held_slots != 0 {
+        bail!("leak: {held_seqs} sequences and {held_slots} draft slots still held");
+    }
+    if unfinished != 0 {
+        bail!("{unfinished} requests did not finish");
+    }
+
+    if greedy {
+        let mut bad = 0;
+        for (i, id) in ids.iter().enumerate() {
+            let got = outputs.get(id).map(Vec::as_slice).unwrap_or_default();
+            if got != expected[i].as_slice() {
+                bad += 1;
+                let at = first_difference(got, &expected[i]);
+                println!(
+                    "MISMATCH {id}: speculative {} tokens, plain {} tokens, first difference at output {at}",
+                    got.len(),
+                    expected[i].len()
+                );
+            }
+        }
+        if bad > 0 {
+            bail!(
+                "{bad} of {} requests differ from plain greedy target decoding",
+                ids.len()
+            );
+        }
+        println!(
+            "check: speculative output == plain greedy target decoding for all {} requests: OK",
+            ids.len()
+        );
+    } else {
+        println!(
+            "check: temperature > 0: outputs are seeded samples (their distribution is checked by \
+the statistical end-to-end tests); no token-for-token comparison"
+        );
+    }
     Ok(())
 }

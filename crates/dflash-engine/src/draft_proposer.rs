@@ -1,0 +1,550 @@
+//! [`DraftProposer`]: the DFlash / DFlash2 draft model as the engine's [`Proposer`].
+//!
+//! It owns the bound draft model, the target parts the draft borrows (embedding and proposal
+//! head, on the draft's backend), the context store (one lane per concurrency slot) and the
+//! round workspace planned for (B, K, head). Everything is allocated in [`DraftProposer::new`];
+//! [`DraftProposer::plan`] computes the same bytes without allocating.
+
+use dflash_config::{ProposalHead, Startup};
+use dflash_context::{Capacity, ContextHandle, ContextImage, ContextStore, HostContextImage};
+use dflash_draft::{
+    DraftModel, HeadParts, RowRequest, TOP_K, TargetParts, Workspace, WorkspaceSpec,
+};
+use dflash_ops::{Backend, Buffer, bf16, sliding_window_attention, softmax_attention};
+use dflash_verify::{ProposalKind, RetainedQ};
+
+use crate::error::{EngineError, Result};
+use crate::options::{EngineOptions, MemoryPlan};
+use crate::proposer::{Coverage, Proposal, ProposeRow, Proposer};
+use crate::target::TargetInfo;
+
+/// The proposal head the draft borrows from the target (owned buffers on the draft backend).
+#[derive(Debug)]
+pub enum DraftHead {
+    /// The target's full output head `[vocab_rows, H]` BF16.
+    Full {
+        /// `lm_head.weight`.
+        output_head: Buffer<bf16>,
+    },
+    /// A shortlist `[rows, H]` BF16 gathered from the output head, with its row -> global id
+    /// map `[rows]` I32 (unique public ids).
+    Indexed {
+        /// The shortlist rows.
+        rows: Buffer<bf16>,
+        /// Row -> global token id.
+        token_ids: Buffer<i32>,
+    },
+}
+
+/// The target parts the draft uses, owned by the engine on the draft's backend.
+#[derive(Debug)]
+pub struct DraftTargetParts {
+    /// Embedding rows (the target's padded vocabulary).
+    pub vocab_rows: usize,
+    /// Public vocabulary size.
+    pub public_vocab: usize,
+    /// The target's token embedding `[vocab_rows, H]` BF16.
+    pub embedding: Buffer<bf16>,
+    /// The proposal head.
+    pub head: DraftHead,
+}
+
+impl DraftTargetParts {
+    /// The borrowed view the draft forward takes.
+    pub fn view(&self) -> TargetParts<'_> {
+        TargetParts {
+            vocab_rows: self.vocab_rows,
+            public_vocab: self.public_vocab,
+            embedding: &self.embedding,
+            head: match &self.head {
+                DraftHead::Full { output_head } => HeadParts::Full { output_head },
+                DraftHead::Indexed { rows, token_ids } => HeadParts::Indexed { rows, token_ids },
+            },
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        let head = match &self.head {
+            DraftHead::Full { output_head } => 2 * output_head.len() as u64,
+            DraftHead::Indexed { rows, token_ids } => {
+                2 * rows.len() as u64 + 4 * token_ids.len() as u64
+            }
+        };
+        2 * self.embedding.len() as u64 + head
+    }
+}
+
+/// The draft model, its context storage and round workspace as a [`Proposer`].
+#[derive(Debug)]
+pub struct DraftProposer {
+    model: DraftModel,
+    parts: DraftTargetParts,
+    startup: Startup,
+    store: ContextStore,
+    ws: Workspace,
+    /// `[W, feature_width]`: one request's verify features, copied out of the batch.
+    staging: Buffer<bf16>,
+    plan: MemoryPlan,
+}
+
+fn invalid(option: &'static str, expected: impl Into<String>, found: impl ToString) -> EngineError {
+    EngineError::InvalidOption {
+        option,
+        expected: expected.into(),
+        found: found.to_string(),
+    }
+}
+
+impl DraftProposer {
+    /// Validate the startup options against the model's checkpoint and the target parts, and
+    /// compute every device allocation the proposer makes (no allocation here).
+    ///
+    /// Errors: [`EngineError::Config`] (backend mismatch, K, B, head rows, mask token),
+    /// [`EngineError::TargetMismatch`] for target parts that do not fit the draft,
+    /// [`EngineError::InvalidOption`] for a zero `max_context` or `page_size`.
+    pub fn plan(
+        model: &DraftModel,
+        parts: &DraftTargetParts,
+        options: &EngineOptions,
+    ) -> Result<(Startup, Capacity, MemoryPlan)> {
+        let g = model.geometry();
+        let startup = options.startup.validate(g)?;
+        if options.max_context == 0 || options.max_context > i32::MAX as usize / 2 {
+            return Err(invalid(
+                "max_context",
+                "1..=2^30 positions",
+                options.max_context,
+            ));
+        }
+        if options.page_size == 0 {
+            return Err(invalid("page_size", "at least 1 token", options.page_size));
+        }
+        let mismatch = |what: &'static str, target: String, draft: String| {
+            Err(EngineError::TargetMismatch {
+                what,
+                target,
+                draft,
+            })
+        };
+        if parts.vocab_rows != g.vocab_rows as usize {
+            return mismatch(
+                "vocabulary rows",
+                parts.vocab_rows.to_string(),
+                g.vocab_rows.to_string(),
+            );
+        }
+        if parts.public_vocab != startup.public_vocab_size as usize {
+            return mismatch(
+                "public vocabulary",
+                parts.public_vocab.to_string(),
+                startup.public_vocab_size.to_string(),
+            );
+        }
+        let hidden = g.hidden as usize;
+        let view = parts.view();
+        view.check(hidden, g.vocab_rows as usize)?;
+        let shape = view.head_shape(hidden);
+        match (startup.proposal_head, &parts.head) {
+            (ProposalHead::Full, DraftHead::Full { .. }) => {}
+            (ProposalHead::Indexed { rows }, DraftHead::Indexed { .. })
+                if rows as usize == shape.rows => {}
+            (want, _) => {
+                return mismatch(
+                    "proposal head",
+                    format!("{:?} with {} rows", shape.kind, shape.rows),
+                    format!("{want:?}"),
+                );
+            }
+        }
+        let capacity = Capacity::new(
+            startup.concurrency as usize,
+            options.max_context,
+            options.page_size,
+        );
+        let cg = model.context_geometry()?;
+        let fw = cg.feature_width() as u64;
+        let (b, w) = (startup.concurrency as u64, startup.block_width as u64);
+        let mut plan = MemoryPlan::default();
+        plan.push("draft weights", weight_bytes(model));
+        plan.push("draft target parts", parts.bytes());
+        plan.push("context pools", capacity.pool_bytes(&cg).total());
+        plan.push(
+            "draft workspace",
+            workspace_bytes(model, &startup, &capacity, shape.rows),
+        );
+        plan.push("verify feature staging", w * fw * 2);
+        plan.push("pending verify features", b * w * fw * 2);
+        plan.push(
+            "admission prompt features",
+            options.max_context as u64 * fw * 2,
+        );
+        Ok((startup, capacity, plan))
+    }
+
+    /// Plan ([`DraftProposer::plan`]) and allocate: the context store (B lanes, pages for
+    /// `max_context` each when the draft has full layers), the round workspace and the
+    /// feature staging, all on the model's backend.
+    pub fn new(
+        model: DraftModel,
+        parts: DraftTargetParts,
+        options: &EngineOptions,
+    ) -> Result<Self> {
+        let (startup, capacity, plan) = Self::plan(&model, &parts, options)?;
+        let be = model.backend().clone();
+        let store = ContextStore::new(be.clone(), model.context_geometry()?, capacity)?;
+        let spec = WorkspaceSpec::from_startup(&startup, parts.vocab_rows);
+        let ws = Workspace::new(&model, &store, &spec)?;
+        let fw = store.geometry().feature_width();
+        let staging = be.zeros(startup.block_width as usize * fw)?;
+        Ok(DraftProposer {
+            model,
+            parts,
+            startup,
+            store,
+            ws,
+            staging,
+            plan,
+        })
+    }
+
+    /// The validated startup.
+    pub fn startup(&self) -> &Startup {
+        &self.startup
+    }
+
+    /// The context store (read access, for inspection and leak checks).
+    pub fn store(&self) -> &ContextStore {
+        &self.store
+    }
+
+    /// The draft model.
+    pub fn model(&self) -> &DraftModel {
+        &self.model
+    }
+
+    /// The backend everything lives on.
+    pub fn backend(&self) -> &Backend {
+        self.model.backend()
+    }
+}
+
+/// Bytes of the bound weights (every role buffer, BF16).
+fn weight_bytes(model: &DraftModel) -> u64 {
+    let w = model.weights();
+    let mut n = (w.fc.len() + w.hidden_norm.len() + w.norm.len()) as u64;
+    for l in &w.layers {
+        n += [
+            &l.input_norm,
+            &l.post_attention_norm,
+            &l.q_proj,
+            &l.k_proj,
+            &l.v_proj,
+            &l.o_proj,
+            &l.q_norm,
+            &l.k_norm,
+            &l.gate_proj,
+            &l.up_proj,
+            &l.down_proj,
+        ]
+        .iter()
+        .map(|b| b.len() as u64)
+        .sum::<u64>();
+        if let Some((k, v)) = &l.context_kv {
+            n += (k.len() + v.len()) as u64;
+        }
+        for c in [&l.attention_conv, &l.mlp_conv].into_iter().flatten() {
+            n += (c.base.len() + c.projection.len()) as u64;
+        }
+    }
+    if let Some(s) = &w.selector {
+        n += (s.hidden_projection.len() + s.predecessor.len() + s.successor.len()) as u64;
+    }
+    2 * n
+}
+
+/// Bytes of the draft [`Workspace`] for this startup (the buffers `Workspace::new` allocates).
+fn workspace_bytes(model: &DraftModel, s: &Startup, cap: &Capacity, head_rows: usize) -> u64 {
+    let g = model.geometry();
+    let (rows, k) = (s.concurrency as u64, s.draft_count as u64);
+    let w = k + 1;
+    let tokens = rows * w;
+    let cols = rows * k;
+    let (h, hq, hkv, d, inter) = (
+        u64::from(g.hidden),
+        u64::from(g.q_heads),
+        u64::from(g.kv_heads),
+        u64::from(g.head_dim),
+        u64::from(g.intermediate),
+    );
+    let mut bf = 3 * tokens * h // x, n, o
+        + tokens * hq * d * 2 // q, attention output
+        + tokens * hkv * d * 2 // k, v
+        + tokens * inter * 3 // gate, up, act
+        + cols * h * 2; // mask raw, mask hidden
+    let mut f32s = tokens * hq * d + tokens * hkv * d + cols * head_rows as u64;
+    let mut i32s = tokens + rows * 6 + cols; // ids, per-row metadata and seeds, proposals
+    if g.has_full_pool {
+        i32s += rows * cap.max_pages_per_lane as u64;
+    }
+    if let Some(p) = &g.dflash2 {
+        bf += tokens * h + tokens * 2 * (h / 16) + cols * u64::from(p.selector_rank);
+        f32s += 2 * cols * TOP_K as u64;
+        i32s += cols * TOP_K as u64 + cols;
+    }
+    if !model.backend().is_cpu() {
+        let (r, c) = (s.concurrency as usize, s.block_width as usize);
+        let mut attn = 0usize;
+        for l in &g.layers {
+            let len = match *l {
+                dflash_config::LayerKind::Local { window } => {
+                    sliding_window_attention::workspace_len(
+                        &sliding_window_attention::LocalAttentionParams {
+                            rows: r,
+                            cols: c,
+                            q_heads: hq as usize,
+                            kv_heads: hkv as usize,
+                            head_dim: d as usize,
+                            lanes: cap.lanes,
+                            window: window as usize,
+                        },
+                    )
+                }
+                dflash_config::LayerKind::Full => {
+                    softmax_attention::workspace_len(&softmax_attention::FullAttentionParams {
+                        rows: r,
+                        cols: c,
+                        q_heads: hq as usize,
+                        kv_heads: hkv as usize,
+                        head_dim: d as usize,
+                        pages: cap.pages,
+                        page_size: cap.page_size,
+                        max_pages: cap.max_pages_per_lane,
+                    })
+                }
+            };
+            attn = attn.max(len);
+        }
+        f32s += attn as u64;
+    }
+    bf * 2 + f32s * 4 + i32s * 4
+}
+
+impl Proposer for DraftProposer {
+    type Slot = ContextHandle;
+    type Image = ContextImage;
+    type HostImage = HostContextImage;
+
+    fn kind(&self) -> ProposalKind {
+        if self.model.geometry().dflash2.is_some() {
+            ProposalKind::Top16
+        } else {
+            ProposalKind::OneHot
+        }
+    }
+
+    fn draft_count(&self) -> usize {
+        self.startup.draft_count as usize
+    }
+
+    fn rows(&self) -> usize {
+        self.startup.concurrency as usize
+    }
+
+    fn memory_plan(&self) -> MemoryPlan {
+        self.plan.clone()
+    }
+
+    fn check_target(&self, info: &TargetInfo) -> Result<()> {
+        let g = self.model.geometry();
+        let mismatch = |what: &'static str, target: String, draft: String| {
+            Err(EngineError::TargetMismatch {
+                what,
+                target,
+                draft,
+            })
+        };
+        if info.hidden != g.hidden as usize {
+            return mismatch(
+                "hidden width",
+                info.hidden.to_string(),
+                g.hidden.to_string(),
+            );
+        }
+        if info.layers != g.target_layers as usize {
+            return mismatch(
+                "decoder blocks",
+                info.layers.to_string(),
+                g.target_layers.to_string(),
+            );
+        }
+        if info.vocab_rows != g.vocab_rows as usize {
+            return mismatch(
+                "vocabulary rows",
+                info.vocab_rows.to_string(),
+                g.vocab_rows.to_string(),
+            );
+        }
+        if info.public_vocab != self.startup.public_vocab_size as usize {
+            return mismatch(
+                "public vocabulary",
+                info.public_vocab.to_string(),
+                self.startup.public_vocab_size.to_string(),
+            );
+        }
+        let ids: Vec<usize> = g.target_layer_ids.iter().map(|&i| i as usize).collect();
+        if info.capture_ids != ids {
+            return mismatch(
+                "captured block ids (in recorded order)",
+                format!("{:?}", info.capture_ids),
+                format!("{ids:?}"),
+            );
+        }
+        Ok(())
+    }
+
+    fn admit(&mut self, max_context: usize) -> Result<ContextHandle> {
+        Ok(self.store.admit(max_context)?)
+    }
+
+    fn release(&mut self, slot: ContextHandle) -> Result<()> {
+        Ok(self.store.release(slot)?)
+    }
+
+    fn live_slots(&self) -> usize {
+        self.store.handles().len()
+    }
+
+    fn push_prefill(
+        &mut self,
+        slot: ContextHandle,
+        start: usize,
+        features: Buffer<bf16>,
+    ) -> Result<()> {
+        Ok(self.store.push_pending_owned(slot, start, features)?)
+    }
+
+    fn push_verified(
+        &mut self,
+        slot: ContextHandle,
+        start: usize,
+        features: &Buffer<bf16>,
+        first_row: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let fw = self.store.geometry().feature_width();
+        let w = self.startup.block_width as usize;
+        if rows > w {
+            return Err(EngineError::Proposer {
+                reason: format!("{rows} verified rows exceed the block width {w}"),
+            });
+        }
+        let be = self.model.backend();
+        be.copy(features, first_row * fw, &mut self.staging, 0, rows * fw)?;
+        Ok(self.store.push_pending(slot, start, &self.staging, rows)?)
+    }
+
+    fn materialize(&mut self, slot: ContextHandle) -> Result<()> {
+        Ok(self.model.materialize(&mut self.store, slot)?)
+    }
+
+    fn coverage(&self, slot: ContextHandle) -> Result<Coverage> {
+        Ok(Coverage {
+            materialized: self.store.frontier(slot)?,
+            pending: self.store.pending(slot)?,
+        })
+    }
+
+    fn propose(&mut self, rows: &[ProposeRow<'_, ContextHandle>]) -> Result<Vec<Proposal>> {
+        let reqs: Vec<RowRequest> = rows
+            .iter()
+            .map(|r| RowRequest {
+                handle: r.slot,
+                anchor: r.anchor,
+                usable: r.usable,
+                temperature: r.temperature,
+                seed: r.seed,
+            })
+            .collect();
+        let parts = self.parts.view();
+        let out = self
+            .model
+            .propose(&self.store, &reqs, &parts, &mut self.ws)?;
+        let top16 = self.model.geometry().dflash2.is_some();
+        out.into_iter()
+            .map(|p| {
+                let tokens = p
+                    .tokens
+                    .iter()
+                    .map(|&t| {
+                        u32::try_from(t).map_err(|_| EngineError::Proposer {
+                            reason: format!("the draft proposed the negative id {t}"),
+                        })
+                    })
+                    .collect::<Result<Vec<u32>>>()?;
+                let q = if top16 {
+                    let mut qs = Vec::with_capacity(tokens.len());
+                    for i in 0..tokens.len() {
+                        let mut rq = RetainedQ {
+                            ids: [0; TOP_K],
+                            q: [0.0; TOP_K],
+                        };
+                        for s in 0..TOP_K {
+                            let id = p.candidate_ids.get(i * TOP_K + s).copied().unwrap_or(-1);
+                            rq.ids[s] = u32::try_from(id).map_err(|_| EngineError::Proposer {
+                                reason: format!("the selector retained the negative id {id}"),
+                            })?;
+                            rq.q[s] = p.q.get(i * TOP_K + s).copied().unwrap_or(0.0);
+                        }
+                        qs.push(rq);
+                    }
+                    Some(qs)
+                } else {
+                    None
+                };
+                Ok(Proposal { tokens, q })
+            })
+            .collect()
+    }
+
+    fn checkpoint(&self, slot: ContextHandle) -> Result<ContextImage> {
+        Ok(self.store.checkpoint(slot)?)
+    }
+
+    fn host_replica(&self, slot: ContextHandle) -> Result<HostContextImage> {
+        Ok(self.store.host_replica(slot)?)
+    }
+
+    fn image_frontier(image: &ContextImage) -> usize {
+        image.frontier()
+    }
+
+    fn host_image_frontier(image: &HostContextImage) -> usize {
+        image.frontier()
+    }
+
+    fn fork(&mut self, slot: ContextHandle) -> Result<ContextHandle> {
+        Ok(self.store.fork(slot)?)
+    }
+
+    fn admit_restored(
+        &mut self,
+        max_context: usize,
+        image: &ContextImage,
+        target_frontier: usize,
+    ) -> Result<ContextHandle> {
+        Ok(self
+            .store
+            .admit_restored(max_context, image, target_frontier)?)
+    }
+
+    fn admit_restored_host(
+        &mut self,
+        max_context: usize,
+        image: &HostContextImage,
+        target_frontier: usize,
+    ) -> Result<ContextHandle> {
+        Ok(self
+            .store
+            .admit_restored_host(max_context, image, target_frontier)?)
+    }
+}
