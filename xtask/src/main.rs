@@ -4,6 +4,12 @@
 //!   and run every registry case on the GPU against the CPU reference; writes
 //!   `DIR/conformance.md` and `DIR/conformance.json` (default DIR: `docs`). Exit status: 0 all
 //!   cases pass, 1 a case failed, 3 no CUDA device or driver.
+//! - `fixtures [--out DIR] [--seed N] [--official]`: write synthetic checkpoints in the
+//!   published layouts: the tiny reference Qwen3.5-style target (`DIR/target-tiny`) and tiny
+//!   DFlash / DFlash2 drafts matched to it (`DIR/draft-tiny-dflash`, `DIR/draft-tiny-dflash2`);
+//!   with `--official`, also the two official draft geometries (`DIR/draft-35b-a3b-dflash`,
+//!   about 1.8 GB, and `DIR/draft-27b-dflash2`, about 6 GB; never committed). Default DIR:
+//!   `fixtures-out`.
 //! - `conformance --bundle DIR`: build the same runner stripped and copy it, with a short
 //!   `RUN.md`, into DIR, to run on a GPU host that has no Rust toolchain.
 
@@ -28,6 +34,8 @@ const HELP: &str = "cargo xtask <command>
 commands:
   conformance [--out DIR]     run every op's conformance cases on CUDA vs the CPU reference
   conformance --bundle DIR    build a stripped runner into DIR for a GPU host without Rust
+  fixtures [--out DIR] [--seed N] [--official]
+                              write synthetic checkpoints (tiny target + drafts; official drafts)
   help                        this text";
 
 fn run(args: &[String]) -> Result<ExitCode> {
@@ -37,6 +45,7 @@ fn run(args: &[String]) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Some("conformance") => conformance(&args[1..]),
+        Some("fixtures") => fixtures(&args[1..]),
         Some(other) => bail!("unknown command `{other}`\n\n{HELP}"),
     }
 }
@@ -113,4 +122,67 @@ fn conformance(args: &[String]) -> Result<ExitCode> {
     Ok(ExitCode::from(
         u8::try_from(status.code().unwrap_or(1)).unwrap_or(1),
     ))
+}
+
+fn fixtures(args: &[String]) -> Result<ExitCode> {
+    use dflash_config::Backend as DraftBackend;
+    use dflash_draft::synthetic::{self, Layout};
+    for a in args.iter().filter(|a| a.starts_with("--")) {
+        if !matches!(a.as_str(), "--out" | "--seed" | "--official") {
+            bail!("unknown option `{a}` for fixtures");
+        }
+    }
+    let out = PathBuf::from(flag_value(args, "--out")?.unwrap_or_else(|| "fixtures-out".into()));
+    let seed: u64 = match flag_value(args, "--seed")? {
+        Some(s) => s
+            .parse()
+            .with_context(|| format!("--seed `{s}` is not an unsigned integer"))?,
+        None => 1,
+    };
+    let target_dir = out.join("target-tiny");
+    dflash_testkit::fixtures::write_reference_target(
+        &target_dir,
+        &dflash_cli::target_geometry(),
+        seed,
+    )
+    .with_context(|| format!("writing {}", target_dir.display()))?;
+    println!(
+        "wrote {} (reference Qwen3.5-style hybrid target)",
+        target_dir.display()
+    );
+    for (name, backend) in [
+        ("draft-tiny-dflash", DraftBackend::DFlash),
+        ("draft-tiny-dflash2", DraftBackend::DFlash2),
+    ] {
+        let spec = dflash_cli::draft_spec(backend);
+        let dir = out.join(name);
+        synthetic::write_checkpoint(
+            &dir,
+            &spec.draft_config_json(),
+            &spec.target(),
+            seed,
+            Layout::Single,
+        )
+        .with_context(|| format!("writing {}", dir.display()))?;
+        println!(
+            "wrote {} ({backend:?}, matched to target-tiny)",
+            dir.display()
+        );
+    }
+    if args.iter().any(|a| a == "--official") {
+        for (name, backend) in [
+            ("draft-35b-a3b-dflash", DraftBackend::DFlash),
+            ("draft-27b-dflash2", DraftBackend::DFlash2),
+        ] {
+            let (cfg, target) = synthetic::official_pair(backend)?;
+            let dir = out.join(name);
+            synthetic::write_checkpoint(&dir, &cfg, &target, seed, Layout::Sharded(4))
+                .with_context(|| format!("writing {}", dir.display()))?;
+            println!(
+                "wrote {} ({backend:?}, official geometry, 4 shards)",
+                dir.display()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
