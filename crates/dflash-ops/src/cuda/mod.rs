@@ -102,12 +102,14 @@ impl CudaBackend {
     /// Event tracking is disabled (all work is ordered on the one stream), which keeps every
     /// op capturable into a CUDA graph.
     pub fn new(ordinal: usize) -> Result<Self> {
-        let count = std::panic::catch_unwind(CudaContext::device_count)
-            .map_err(|_| OpsError::Cuda {
+        // SAFETY: only probes whether the driver library can be loaded (no driver call).
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(OpsError::Cuda {
                 context: "loading the CUDA driver".into(),
                 message: "libcuda could not be loaded (no NVIDIA driver on this machine?)".into(),
-            })?
-            .map_err(cuda_err("counting CUDA devices"))?;
+            });
+        }
+        let count = CudaContext::device_count().map_err(cuda_err("counting CUDA devices"))?;
         if ordinal >= usize::try_from(count).unwrap_or(0) {
             return Err(OpsError::Cuda {
                 context: format!("opening CUDA device {ordinal}"),
