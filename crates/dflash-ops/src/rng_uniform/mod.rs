@@ -1,12 +1,14 @@
 //! RNG uniform: evaluate the RNG identity for a batch of decisions (the device side of
 //! [`crate::rng`], used to prove CPU and CUDA draw bit-identical uniforms).
 //!
+//! ```text
 //! Semantics. For each i < n:
 //!   seed_i = (seeds[2i] as u32) | (seeds[2i+1] as u32) << 32
 //!   word_i = rng::word(seed_i, positions[i] as u64, purposes[i], subs[i])
 //!   words[i] = word_i as i32 (bit pattern);  uniforms[i] = rng::unit_f32(word_i)
 //! Shapes. seeds: [n, 2] i32 (lo, hi bit patterns); positions, purposes, subs: [n] i32;
 //!   words: [n] i32; uniforms: [n] f32.
+//! ```
 //! Caller guarantees. positions >= 0; purposes are codes of [`crate::rng::Purpose`]
 //!   (checked on the CPU; the device trusts them).
 //! Writes. Exactly `words` and `uniforms`, every element.
