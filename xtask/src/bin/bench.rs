@@ -78,7 +78,13 @@ fn setup(be: &Backend, backend: DraftBackend) -> Result<Setup> {
     let parts = synthetic::target_parts(g.vocab_rows as usize, g.hidden as usize, 7);
     let embedding = be.upload(&parts.embedding)?;
     let head = be.upload(&parts.output_head)?;
-    Ok(Setup { backend, g, model, embedding, head })
+    Ok(Setup {
+        backend,
+        g,
+        model,
+        embedding,
+        head,
+    })
 }
 
 fn bench_one(
@@ -95,8 +101,11 @@ fn bench_one(
     let _ = h;
     let public = g.public_vocab_size.unwrap_or(g.vocab_rows) as usize;
     let max_ctx = context + k + 1;
-    let mut store =
-        ContextStore::new(be.clone(), model.context_geometry()?, Capacity::new(rows, max_ctx, 64))?;
+    let mut store = ContextStore::new(
+        be.clone(),
+        model.context_geometry()?,
+        Capacity::new(rows, max_ctx, 64),
+    )?;
     let mut reqs = Vec::new();
     for r in 0..rows {
         let handle = store.admit(max_ctx)?;
@@ -114,13 +123,19 @@ fn bench_one(
         vocab_rows: v,
         public_vocab: public,
         embedding: &s.embedding,
-        head: HeadParts::Full { output_head: &s.head },
+        head: HeadParts::Full {
+            output_head: &s.head,
+        },
     };
     let spec = WorkspaceSpec {
         rows,
         draft_count: k,
         mask_token_id: g.mask_token_id.unwrap_or(0),
-        head: HeadShape { kind: OpsHead::Full, rows: v, public_vocab: public },
+        head: HeadShape {
+            kind: OpsHead::Full,
+            rows: v,
+            public_vocab: public,
+        },
     };
     let mut ws = Workspace::new(model, &store, &spec)?;
     model.stage(&store, &reqs, &mut ws)?;
@@ -174,8 +189,16 @@ fn bench_one(
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
-    let iters: usize = match args.iter().position(|a| a == "--iters").and_then(|i| args.get(i + 1)) {
+    let out = args
+        .iter()
+        .position(|a| a == "--out")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let iters: usize = match args
+        .iter()
+        .position(|a| a == "--iters")
+        .and_then(|i| args.get(i + 1))
+    {
         Some(s) => s.parse().context("--iters")?,
         None => 20,
     };
@@ -187,18 +210,31 @@ fn main() -> Result<()> {
         let s = setup(&be, backend)?;
         for (b, k) in [(1, 7), (1, 15), (8, 7)] {
             let r = bench_one(&cuda, &s, b, k, 2048, iters)?;
-            eprintln!("{} B={} K={}: eager {:.3} ms, graph {:.3} ms", r.name, r.rows, r.k, r.eager_ms, r.graph_ms);
+            eprintln!(
+                "{} B={} K={}: eager {:.3} ms, graph {:.3} ms",
+                r.name, r.rows, r.k, r.eager_ms, r.graph_ms
+            );
             rows.push(r);
         }
     }
     let mut md = format!(
         "# Draft block benchmark\n\n- GPU: {} ({}), CUDA {}\n- command: `{}`\n- one block = embedding of [anchor, MASK x K], every draft layer over a context of 2048 committed positions, final norm, head (DFlash argmax over the full 248320-row head; DFlash2 top-16 + selector at T = 0.7); synthetic weights\n- floor = bytes the block must read (layer weights + output head [+ W_hidden]) / 4.1 TB/s\n- time: median over 5 batches of {iters} back-to-back blocks\n\n| draft | B | K | context | eager ms | graph replay ms | floor ms | graph / floor |\n|---|---|---|---|---|---|---|---|\n",
-        info.name, info.arch, info.driver_cuda_version, args.join(" ")
+        info.name,
+        info.arch,
+        info.driver_cuda_version,
+        args.join(" ")
     );
     for r in &rows {
         md.push_str(&format!(
             "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.2}x |\n",
-            r.name, r.rows, r.k, r.context, r.eager_ms, r.graph_ms, r.floor_ms, r.graph_ms / r.floor_ms
+            r.name,
+            r.rows,
+            r.k,
+            r.context,
+            r.eager_ms,
+            r.graph_ms,
+            r.floor_ms,
+            r.graph_ms / r.floor_ms
         ));
     }
     println!("{md}");
