@@ -4,12 +4,14 @@
 //!   and run every registry case on the GPU against the CPU reference; writes
 //!   `DIR/conformance.md` and `DIR/conformance.json` (default DIR: `docs`). Exit status: 0 all
 //!   cases pass, 1 a case failed, 3 no CUDA device or driver.
-//! - `fixtures [--out DIR] [--seed N] [--official]`: write synthetic checkpoints in the
+//! - `fixtures [--out DIR] [--seed N] [--official] [--draft-config F --target-config F
+//!   --public-vocab N]`: write synthetic checkpoints in the
 //!   published layouts: the tiny reference Qwen3.5-style target (`DIR/target-tiny`) and tiny
 //!   DFlash / DFlash2 drafts matched to it (`DIR/draft-tiny-dflash`, `DIR/draft-tiny-dflash2`);
 //!   with `--official`, also the two official draft geometries (`DIR/draft-35b-a3b-dflash`,
 //!   about 1.8 GB, and `DIR/draft-27b-dflash2`, about 6 GB; never committed). Default DIR:
-//!   `fixtures-out`.
+//!   `fixtures-out`. With `--draft-config`, also a draft of any geometry a draft config.json
+//!   describes (validated against the given target config) into `DIR/draft-custom`.
 //! - `conformance --bundle DIR`: build the same runner stripped and copy it, with a short
 //!   `RUN.md`, into DIR, to run on a GPU host that has no Rust toolchain.
 
@@ -34,8 +36,9 @@ const HELP: &str = "cargo xtask <command>
 commands:
   conformance [--out DIR]     run every op's conformance cases on CUDA vs the CPU reference
   conformance --bundle DIR    build a stripped runner into DIR for a GPU host without Rust
-  fixtures [--out DIR] [--seed N] [--official]
-                              write synthetic checkpoints (tiny target + drafts; official drafts)
+  fixtures [--out DIR] [--seed N] [--official] [--draft-config F --target-config F --public-vocab N]
+                              write synthetic checkpoints (tiny target + drafts; official drafts;
+                              any draft geometry from a config.json)
   help                        this text";
 
 fn run(args: &[String]) -> Result<ExitCode> {
@@ -128,7 +131,15 @@ fn fixtures(args: &[String]) -> Result<ExitCode> {
     use dflash_config::Backend as DraftBackend;
     use dflash_draft::synthetic::{self, Layout};
     for a in args.iter().filter(|a| a.starts_with("--")) {
-        if !matches!(a.as_str(), "--out" | "--seed" | "--official") {
+        if !matches!(
+            a.as_str(),
+            "--out"
+                | "--seed"
+                | "--official"
+                | "--draft-config"
+                | "--target-config"
+                | "--public-vocab"
+        ) {
             bail!("unknown option `{a}` for fixtures");
         }
     }
@@ -168,6 +179,24 @@ fn fixtures(args: &[String]) -> Result<ExitCode> {
             "wrote {} ({backend:?}, matched to target-tiny)",
             dir.display()
         );
+    }
+    if let Some(draft_cfg) = flag_value(args, "--draft-config")? {
+        let target_cfg = flag_value(args, "--target-config")?
+            .context("--draft-config needs --target-config (the Qwen3.5 target config.json)")?;
+        let public: u32 = flag_value(args, "--public-vocab")?
+            .context("--draft-config needs --public-vocab N (the target's public vocabulary size)")?
+            .parse()
+            .context("--public-vocab is not an unsigned integer")?;
+        let cfg =
+            std::fs::read_to_string(&draft_cfg).with_context(|| format!("reading {draft_cfg}"))?;
+        let target_text = std::fs::read_to_string(&target_cfg)
+            .with_context(|| format!("reading {target_cfg}"))?;
+        let target = dflash_config::TargetTextConfig::from_json_str(&target_text)?
+            .with_public_vocab_size(public)?;
+        let dir = out.join("draft-custom");
+        synthetic::write_checkpoint(&dir, &cfg, &target, seed, Layout::Single)
+            .with_context(|| format!("writing {}", dir.display()))?;
+        println!("wrote {} (geometry of {draft_cfg})", dir.display());
     }
     if args.iter().any(|a| a == "--official") {
         for (name, backend) in [
