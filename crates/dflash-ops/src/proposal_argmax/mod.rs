@@ -184,6 +184,48 @@ pub(crate) fn validate_logits(
     Ok(())
 }
 
+/// Validated CPU inputs of a proposal head (see [`host_head_inputs`]).
+pub(crate) struct HostHead<'a> {
+    /// The logits `[n, rows]`.
+    pub(crate) logits: &'a [f32],
+    /// The indexed head's row -> global id map.
+    pub(crate) map: Option<&'a [i32]>,
+    /// Candidate rows per column (a prefix of each column).
+    pub(crate) considered: usize,
+}
+
+/// The CPU view of a head's inputs, validated: the logits, the indexed head's id map (checked
+/// unique and public), and how many leading rows of each column are candidates (the public
+/// rows of a full head, every shortlist row of an indexed head), with no NaN among them.
+pub(crate) fn host_head_inputs<'a>(
+    op: &'static str,
+    logits: &'a Buffer<f32>,
+    token_ids: Option<&'a Buffer<i32>>,
+    rows: usize,
+    public_vocab: usize,
+    head: ProposalHead,
+) -> Result<HostHead<'a>> {
+    let l = logits.host(op, "logits")?;
+    let map = match token_ids {
+        Some(t) => {
+            let t = t.host(op, "token_ids")?;
+            validate_token_ids(op, t, public_vocab)?;
+            Some(t)
+        }
+        None => None,
+    };
+    let considered = match head {
+        ProposalHead::Full => public_vocab,
+        ProposalHead::Indexed => rows,
+    };
+    validate_logits(op, l, rows, considered)?;
+    Ok(HostHead {
+        logits: l,
+        map,
+        considered,
+    })
+}
+
 /// Pick, for each of `n` logit columns, the best candidate's global id (see the module
 /// contract). `token_ids` is `None` for [`ProposalHead::Full`] and the `[rows]` map for
 /// [`ProposalHead::Indexed`]. A refused call leaves `ids` untouched.
@@ -217,20 +259,11 @@ pub fn run(
     }
     match be {
         Backend::Cpu => {
-            let l = logits.host(OP, "logits")?;
-            let map = match token_ids {
-                Some(t) => {
-                    let t = t.host(OP, "token_ids")?;
-                    validate_token_ids(OP, t, public_vocab)?;
-                    Some(t)
-                }
-                None => None,
-            };
-            let considered = match head {
-                ProposalHead::Full => public_vocab,
-                ProposalHead::Indexed => rows,
-            };
-            validate_logits(OP, l, rows, considered)?;
+            let HostHead {
+                logits: l,
+                map,
+                considered,
+            } = host_head_inputs(OP, logits, token_ids, rows, public_vocab, head)?;
             reference::run(l, map, ids.host_mut(OP, "ids")?, rows, considered);
             Ok(())
         }

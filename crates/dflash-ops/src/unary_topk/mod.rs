@@ -33,8 +33,8 @@ mod tests;
 
 pub use crate::proposal_argmax::ProposalHead;
 use crate::proposal_argmax::{
-    Mix, OFFICIAL_PUBLIC, OFFICIAL_ROWS, OFFICIAL_SHORTLIST, check_head_params, planted_logits,
-    validate_logits, validate_token_ids,
+    HostHead, Mix, OFFICIAL_PUBLIC, OFFICIAL_ROWS, OFFICIAL_SHORTLIST, check_head_params,
+    host_head_inputs, planted_logits,
 };
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
 use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
@@ -98,20 +98,11 @@ pub fn run(
     }
     match be {
         Backend::Cpu => {
-            let l = logits.host(OP, "logits")?;
-            let map = match token_ids {
-                Some(t) => {
-                    let t = t.host(OP, "token_ids")?;
-                    validate_token_ids(OP, t, public_vocab)?;
-                    Some(t)
-                }
-                None => None,
-            };
-            let considered = match head {
-                ProposalHead::Full => public_vocab,
-                ProposalHead::Indexed => rows,
-            };
-            validate_logits(OP, l, rows, considered)?;
+            let HostHead {
+                logits: l,
+                map,
+                considered,
+            } = host_head_inputs(OP, logits, token_ids, rows, public_vocab, head)?;
             // Both outputs are validated to exist before either is written.
             let s = scores.host_mut(OP, "scores")?;
             let d = ids.host_mut(OP, "ids")?;
