@@ -104,7 +104,7 @@ fn run() -> Result<ExitCode> {
         }
     };
     let info = cuda.device_info().context("reading device info")?;
-    let gpu = Backend::Cuda(cuda);
+    let gpu = Backend::Cuda(cuda.clone());
     let cpu = Backend::cpu();
     let mut rows: Vec<Row> = Vec::new();
     let mut cases = registry::cases();
@@ -177,10 +177,7 @@ fn run() -> Result<ExitCode> {
         );
     }
     let mut failed = rows.iter().filter(|r| !r.cmp.pass).count();
-    let graph_md = match graph::check(match &gpu {
-        Backend::Cuda(c) => c,
-        Backend::Cpu => unreachable!("the runner only builds a CUDA backend"),
-    }) {
+    let graph_md = match graph::check(&cuda) {
         Ok(g) => {
             let ok = g.mismatches.iter().all(Vec::is_empty) && g.varied.len() >= 8;
             if !ok {
