@@ -1,64 +1,321 @@
-// proposal_argmax: per-column argmax of F32 head logits with ties to the lower global id
-// (contract: crates/dflash-ops/src/proposal_argmax/mod.rs).
-// One block per logit column; each thread scans a strided (coalesced) slice keeping its best
-// (value, id) pair; warp shuffles and one shared-memory round reduce the block. The order
-// (larger value, then lower id) is total, so the result is independent of reduction order.
-// NaN logits are treated as -inf. token_ids are copied to the output, never dereferenced.
+// proposal_argmax: the proposal head GEMM fused with its per-column argmax; no [n, rows]
+// logits in memory (contract: crates/dflash-ops/src/proposal_argmax/mod.rs).
+//
+// This file also holds the head GEMM driver shared with unary_topk: its launcher compiles
+// this file followed by kernels/unary_topk.cu as one module; the two ops differ only in the
+// epilogue (a running argmax or a running top-16 per column).
+//
+// Work split. The head's rows (the vocabulary, or a shortlist) are streamed once: block b of
+// the grid owns the contiguous row range [b * chunk, (b + 1) * chunk) (chunk = ceil(rows /
+// blocks) rounded up to 16) and walks it in tiles of PH_TV = 128 rows (32 per warp, two m16
+// MMA tiles); grid.y splits the columns in chunks of NC = 8 * NT (NC <= 128). The K axis
+// (hidden) is staged in chunks of KC = 64 through a PH_STAGES-deep cp.async pipeline that
+// runs across tile boundaries: the head tile (128 x 64) and the hidden tile (NC x 64) of a
+// stage (128 x KC and NC x KC) feed mma.m16n8k16 (BF16 in, FP32 accumulate; the head rows are the M side, the
+// columns the N side). After a tile's last chunk the epilogue folds its 128 x NC logits
+// into the block's running per-column result in shared memory (they never leave the chip);
+// at the end each block writes its partial per column, and a merge kernel reduces the
+// blocks' partials. Order everywhere: larger logit, then lower global id (a total order, so
+// the result does not depend on the reduction order). NaN logits rank as -inf.
+//
+// Partials (f32 words; P = gridDim.x): ws[((col * P + b) * K + j) * 2] = value,
+// ws[... + 1] = the global id's bits; K = 1 (argmax) or 16 (top-16, best first).
 
-#define PA_NEG_INF __int_as_float(0xff800000)
-#define PA_NO_ID 0x7fffffff
+#define PH_THREADS 128
+#define PH_WARPS 4
+#define PH_TV 128
+#define PH_STAGES 3
+#define PH_NEG_INF __int_as_float(0xff800000)
+#define PH_NO_ID 0x7fffffff
 
-__device__ __forceinline__ bool pa_beats(float v, int id, float bv, int bid) {
+__device__ __forceinline__ bool ph_beats(float v, int id, float bv, int bid) {
     return v > bv || (v == bv && id < bid);
 }
 
-__device__ __forceinline__ void pa_warp_best(float& bv, int& bid) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        float ov = __shfl_down_sync(0xffffffffu, bv, off);
-        int oid = __shfl_down_sync(0xffffffffu, bid, off);
-        if (pa_beats(ov, oid, bv, bid)) { bv = ov; bid = oid; }
+// Stage geometry for NT column tiles (NC = 8 * NT columns). Mirrored by the launcher
+// (`head::stage_bytes`).
+template <int NT>
+struct PhCfg {
+    static constexpr int NC = 8 * NT;
+    static constexpr int KC = 64;                       // K elements per stage
+    static constexpr int LD = KC + 8;                   // smem row stride (elements, +16 B)
+    static constexpr int W_ELEMS = PH_TV * LD;
+    static constexpr int STAGE = W_ELEMS + NC * LD;     // bf16 elements per stage
+    static constexpr int PIPE_BYTES = PH_STAGES * STAGE * 2;
+};
+
+// What the epilogues need to know about the rows of a tile.
+struct PhRows {
+    const int* token_ids;  // nullptr: full head (id = row)
+    int considered;        // full head: rows below this are candidates (public_vocab)
+    // Candidate id of head row `row` of this block's range ending at `row_end`, or PH_NO_ID.
+    __device__ __forceinline__ int id(long long row, long long row_end) const {
+        if (row >= row_end) return PH_NO_ID;
+        if (token_ids) return token_ids[row];
+        return row < considered ? (int)row : PH_NO_ID;
+    }
+};
+
+// One warp's 32-row slice: for each thread, its rows r0 + warp * 32 + mt * 16 + g + 8 * h.
+__device__ __forceinline__ long long ph_row(long long r0, int mt, int h) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    return r0 + warp * 32 + mt * 16 + (lane >> 2) + 8 * h;
+}
+
+// The block's best (value, id) per column of this tile and warp, reduced over the warp's 32
+// rows; lanes with g == 0 hold the result for their columns 8 * nt + 2 * q + e.
+template <int NT>
+__device__ __forceinline__ void ph_warp_best(const float (&acc)[2][NT][4], const int (&ids)[2][2],
+                                             float (&bv)[NT][2], int (&bi)[NT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float v = PH_NEG_INF;
+            int id = PH_NO_ID;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float x = acc[mt][nt][2 * h + e];
+                    const int xi = ids[mt][h];
+                    if (x != x || xi == PH_NO_ID) x = PH_NEG_INF;  // NaN ranks as -inf
+                    if (ph_beats(x, xi, v, id)) { v = x; id = xi; }
+                }
+            }
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+                const int oi = __shfl_xor_sync(0xffffffffu, id, off);
+                if (ph_beats(ov, oi, v, id)) { v = ov; id = oi; }
+            }
+            bv[nt][e] = v;
+            bi[nt][e] = id;
+        }
     }
 }
 
-// token_ids == nullptr: full head (id = row index, candidates 0..considered).
-__device__ __forceinline__ void pa_column(const float* __restrict__ logits,
-                                          const int* __restrict__ token_ids, int* __restrict__ ids,
-                                          int rows, int considered) {
-    __shared__ float s_v[32];
-    __shared__ int s_id[32];
-    const long long col = blockIdx.x;
-    const float* l = logits + col * (long long)rows;
-    float bv = PA_NEG_INF;
-    int bid = PA_NO_ID;
-    for (int k = threadIdx.x; k < considered; k += blockDim.x) {
-        float v = l[k];
-        if (v != v) v = PA_NEG_INF;
-        int id = token_ids ? token_ids[k] : k;
-        if (pa_beats(v, id, bv, bid)) { bv = v; bid = id; }
+// The GEMM driver: streams this block's head rows, calling epi.tile(acc, r0, row_end) after
+// every 128-row tile and epi.finish() at the end. All threads call both (they synchronize).
+template <int NT, class Epi>
+__device__ __forceinline__ void ph_run(const __nv_bfloat16* __restrict__ hidden,
+                                       const __nv_bfloat16* __restrict__ head, int n, int rows,
+                                       int H, unsigned char* smem, Epi& epi) {
+    typedef PhCfg<NT> C;
+    constexpr int NC = C::NC, KC = C::KC, LD = C::LD;
+    __nv_bfloat16* pipe = reinterpret_cast<__nv_bfloat16*>(smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int col0 = blockIdx.y * NC;
+    const long long per = ((long long)rows + gridDim.x - 1) / gridDim.x;
+    const long long chunk = (per + 15) / 16 * 16;
+    const long long row_begin = (long long)blockIdx.x * chunk;
+    const long long row_end = min((long long)rows, row_begin + chunk);
+    epi.init();
+    if (row_begin >= row_end) {
+        __syncthreads();
+        epi.finish();
+        return;
     }
-    pa_warp_best(bv, bid);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) { s_v[warp] = bv; s_id[warp] = bid; }
+    const int tiles = (int)((row_end - row_begin + PH_TV - 1) / PH_TV);
+    const int kch = (H + KC - 1) / KC;
+    const int total = tiles * kch;
+
+    auto load = [&](int it, int s) {
+        const long long r0 = row_begin + (long long)(it / kch) * PH_TV;
+        const int k0 = (it % kch) * KC;
+        __nv_bfloat16* Ws = pipe + s * C::STAGE;
+        __nv_bfloat16* Xs = Ws + C::W_ELEMS;
+        constexpr int CPR = KC / 8;  // 16-byte chunks per row
+#pragma unroll
+        for (int e = tid; e < PH_TV * CPR; e += PH_THREADS) {
+            const int r = e / CPR, c = e % CPR;
+            const long long row = r0 + r;
+            const int k = k0 + c * 8;
+            const bool valid = row < row_end && k < H;
+            const __nv_bfloat16* src = head + (valid ? row * H + k : 0);
+            df_cp_async16(df_smem_u32(Ws + r * LD + c * 8), src, valid);
+        }
+        for (int e = tid; e < NC * CPR; e += PH_THREADS) {
+            const int cc = e / CPR, c = e % CPR;
+            const int col = col0 + cc;
+            const int k = k0 + c * 8;
+            const bool valid = col < n && k < H;
+            const __nv_bfloat16* src = hidden + (valid ? (long long)col * H + k : 0);
+            df_cp_async16(df_smem_u32(Xs + cc * LD + c * 8), src, valid);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < PH_STAGES - 1; ++s) {
+        if (s < total) load(s, s);
+        df_cp_commit();
+    }
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+
+    for (int it = 0; it < total; ++it) {
+        df_cp_wait<PH_STAGES - 2>();
+        __syncthreads();  // stage it landed; stage it - 1 is free again
+        if (it + PH_STAGES - 1 < total) load(it + PH_STAGES - 1, (it + PH_STAGES - 1) % PH_STAGES);
+        df_cp_commit();
+        const __nv_bfloat16* Ws = pipe + (it % PH_STAGES) * C::STAGE;
+        const __nv_bfloat16* Xs = Ws + C::W_ELEMS;
+#pragma unroll
+        for (int k16 = 0; k16 < KC / 16; ++k16) {
+            unsigned a[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                df_ldsm_x4(df_smem_u32(Ws + (warp * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                       k16 * 16 + (lane >> 4) * 8),
+                           a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+            }
+            if (NT == 1) {
+                unsigned b0, b1;
+                df_ldsm_x2(df_smem_u32(Xs + (lane & 7) * LD + k16 * 16 + ((lane >> 3) & 1) * 8), b0, b1);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+                    df_mma_bf16(acc[mt][0], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+            } else {
+#pragma unroll
+                for (int np = 0; np < NT / 2; ++np) {
+                    unsigned b0, b1, b2, b3;
+                    df_ldsm_x4(df_smem_u32(Xs + (np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + k16 * 16 +
+                                           ((lane >> 3) & 1) * 8),
+                               b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        df_mma_bf16(acc[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+                        df_mma_bf16(acc[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+                    }
+                }
+            }
+        }
+        if (it % kch == kch - 1) {
+            epi.tile(acc, row_begin + (long long)(it / kch) * PH_TV, row_end);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+        }
+    }
+    df_cp_wait<0>();
     __syncthreads();
-    if (warp == 0) {
-        const int nwarps = blockDim.x >> 5;
-        bv = lane < nwarps ? s_v[lane] : PA_NEG_INF;
-        bid = lane < nwarps ? s_id[lane] : PA_NO_ID;
-        pa_warp_best(bv, bid);
-        if (lane == 0) ids[col] = bid;
+    epi.finish();
+}
+
+// Argmax epilogue: a running best (value, id) per column in shared memory.
+template <int NT>
+struct PhArgmax {
+    static constexpr int NC = 8 * NT;
+    static constexpr int SMEM_BYTES = (PH_WARPS + 1) * NC * 8;  // mirrored by the launcher
+    float* wv;  // [PH_WARPS][NC]
+    int* wi;
+    float* bv;  // [NC]
+    int* bi;
+    PhRows rw;
+    float* ws;
+    int n;
+    __device__ __forceinline__ PhArgmax(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_)
+        : rw(rows_), ws(ws_), n(n_) {
+        wv = reinterpret_cast<float*>(epi_smem);
+        wi = reinterpret_cast<int*>(wv + PH_WARPS * NC);
+        bv = reinterpret_cast<float*>(wi + PH_WARPS * NC);
+        bi = reinterpret_cast<int*>(bv + NC);
     }
-}
+    __device__ __forceinline__ void init() {
+        for (int c = threadIdx.x; c < NC; c += PH_THREADS) { bv[c] = PH_NEG_INF; bi[c] = PH_NO_ID; }
+    }
+    __device__ __forceinline__ void tile(const float (&acc)[2][NT][4], long long r0, long long row_end) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        int ids[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) ids[mt][h] = rw.id(ph_row(r0, mt, h), row_end);
+        float v[NT][2];
+        int id[NT][2];
+        ph_warp_best<NT>(acc, ids, v, id);
+        if ((lane >> 2) == 0) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = nt * 8 + 2 * (lane & 3) + e;
+                    wv[warp * NC + c] = v[nt][e];
+                    wi[warp * NC + c] = id[nt][e];
+                }
+        }
+        __syncthreads();
+        for (int c = threadIdx.x; c < NC; c += PH_THREADS) {
+            float b = bv[c];
+            int bid = bi[c];
+#pragma unroll
+            for (int w = 0; w < PH_WARPS; ++w) {
+                if (ph_beats(wv[w * NC + c], wi[w * NC + c], b, bid)) { b = wv[w * NC + c]; bid = wi[w * NC + c]; }
+            }
+            bv[c] = b;
+            bi[c] = bid;
+        }
+        // The next write of wv / wi follows the next tile's pipeline barrier.
+    }
+    __device__ __forceinline__ void finish() {
+        const int P = gridDim.x;
+        for (int c = threadIdx.x; c < NC; c += PH_THREADS) {
+            const long long col = (long long)blockIdx.y * NC + c;
+            if (col >= n) continue;
+            float* o = ws + (col * P + blockIdx.x) * 2;
+            o[0] = bv[c];
+            o[1] = __int_as_float(bi[c]);
+        }
+    }
+};
 
-// grid (n), block (multiple of 32, <= 1024); logits [n, rows]; candidates 0..public_vocab.
-extern "C" __global__ void proposal_argmax_full(const float* __restrict__ logits, int* __restrict__ ids,
-                                                int rows, int public_vocab) {
-    pa_column(logits, nullptr, ids, rows, public_vocab);
-}
+#define PH_ARGMAX_ENTRY(NT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(PH_THREADS) proposal_argmax_gemm_nt##NT(       \
+        const __nv_bfloat16* hidden, const __nv_bfloat16* head, const int* token_ids,          \
+        float* ws, int n, int rows, int H, int public_vocab) {                                   \
+        extern __shared__ __align__(16) unsigned char ph_smem[];                                \
+        PhRows rw;                                                                               \
+        rw.token_ids = token_ids;                                                                \
+        rw.considered = public_vocab;                                                            \
+        PhArgmax<NT> epi(ph_smem + PhCfg<NT>::PIPE_BYTES, rw, ws, n);                            \
+        ph_run<NT>(hidden, head, n, rows, H, ph_smem, epi);                                      \
+    }
+PH_ARGMAX_ENTRY(1)
+PH_ARGMAX_ENTRY(2)
+PH_ARGMAX_ENTRY(4)
+PH_ARGMAX_ENTRY(8)
+PH_ARGMAX_ENTRY(16)
 
-// grid (n), block (multiple of 32, <= 1024); logits [n, rows]; token_ids [rows].
-extern "C" __global__ void proposal_argmax_indexed(const float* __restrict__ logits,
-                                                   const int* __restrict__ token_ids,
-                                                   int* __restrict__ ids, int rows) {
-    pa_column(logits, token_ids, ids, rows, rows);
+// Merge: grid (n), 256 threads; the best of the P partials of column blockIdx.x.
+extern "C" __global__ void __launch_bounds__(256) proposal_argmax_merge(const float* __restrict__ ws,
+                                                                        int* __restrict__ ids, int P) {
+    __shared__ float s_v[8];
+    __shared__ int s_i[8];
+    const long long col = blockIdx.x;
+    float v = PH_NEG_INF;
+    int id = PH_NO_ID;
+    for (int b = threadIdx.x; b < P; b += blockDim.x) {
+        const float x = ws[(col * P + b) * 2];
+        const int xi = __float_as_int(ws[(col * P + b) * 2 + 1]);
+        if (ph_beats(x, xi, v, id)) { v = x; id = xi; }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, id, off);
+        if (ph_beats(ov, oi, v, id)) { v = ov; id = oi; }
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) { s_v[warp] = v; s_i[warp] = id; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+            if (ph_beats(s_v[w], s_i[w], v, id)) { v = s_v[w]; id = s_i[w]; }
+        ids[col] = id;
+    }
 }

@@ -3,41 +3,63 @@
 // (contract: crates/dflash-ops/src/sliding_window_attention/mod.rs).
 //
 // The launcher compiles kernels/softmax_attention.cu first and this file after it: the split
-// and merge bodies (attn_split_body, attn_merge_body) and the workspace layout are shared
-// with the full layer and documented there.
+// body (attn_split_body), the merge body, the tiling and the workspace layout are shared with
+// the full layer and documented there. Only the context map and the window differ.
 
 // Context addressing of a local layer: position p of the row lives in ring slot
 // lane * S + p mod S (the caller's live interval is [max(0, F - S), F)).
 struct AttnRingCtx {
-    long long base;  // lane * S
-    int window;      // S
-    __device__ __forceinline__ long long slot(long long p) const { return base + (p % window); }
+    int base;    // lane * S (lanes * S <= i32::MAX: checked on the host)
+    int window;  // S
+    __device__ __forceinline__ int slot(int p) const { return base + (p % window); }
 };
 
-// grid (splits, kv_heads, rows); block 32 * nwarps threads.
-extern "C" __global__ void sliding_window_attention_split(
+// grid (splits, kv_heads * row_blocks, rows), ATTN_THREADS threads, dynamic shared memory
+// attend::smem_bytes(DP).
+template <int DP>
+__device__ __forceinline__ void sliding_window_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
     const __nv_bfloat16* ring_k, const __half* ring_v, const int* lanes, const int* start_pos,
     const int* live, float* ws, int rows, int cols, int q_heads, int kv_heads, int head_dim,
-    int n_lanes, int window, int splits) {
+    int n_lanes, int window, int splits, int row_blocks) {
     const int s = blockIdx.x;
-    const int kvh = blockIdx.y;
+    const int kvh = blockIdx.y / row_blocks, rb = blockIdx.y % row_blocks;
     const int r = blockIdx.z;
-    const long long F = max((long long)start_pos[r], 0LL);
+    // Positions are i32 >= 0; F + cols stays below 2^31 for any real frontier (clamped so the
+    // key arithmetic cannot overflow).
+    const int F = min(max(start_pos[r], 0), 0x7fffffff - cols - 64);
     const int L = min(max(live[r], 0), cols);
     const int lane_id = lanes[r];
+    const bool lane_ok = lane_id >= 0 && lane_id < n_lanes;
     // The union over columns of the visible context is [max(0, F - S + 1), F) (column 0 sees
     // the most); a row whose lane is out of range reads no context at all.
-    long long ctx_lo = max(F - window + 1, 0LL);
-    if (lane_id < 0 || lane_id >= n_lanes) ctx_lo = F;
+    const int ctx_lo = lane_ok ? max(F - window + 1, 0) : F;
     AttnRingCtx ctx;
-    ctx.base = (long long)(lane_id < 0 || lane_id >= n_lanes ? 0 : lane_id) * window;
+    ctx.base = (lane_ok ? lane_id : 0) * window;
     ctx.window = window;
-    attn_split_body(ctx, F, ctx_lo, L, window, q, k_blk, v_blk, ring_k, ring_v, ws, r, kvh, s,
-                    rows, cols, q_heads, kv_heads, head_dim, splits);
+    attn_split_body<DP>(ctx, F, ctx_lo, L, window, q, k_blk, v_blk, ring_k, ring_v, ws, r, kvh,
+                        rb, s, rows, cols, q_heads, kv_heads, head_dim, splits);
 }
 
-// grid (rows * cols); block 256 threads.
+#define ATTN_RING_ENTRY(DP, MINB)                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB)                  \
+        sliding_window_attention_split_d##DP(                                                    \
+            const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,      \
+            const __nv_bfloat16* ring_k, const __half* ring_v, const int* lanes,                 \
+            const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,   \
+            int kv_heads, int head_dim, int n_lanes, int window, int splits, int row_blocks) {   \
+        sliding_window_attention_split_entry<DP>(q, k_blk, v_blk, ring_k, ring_v, lanes,         \
+                                                 start_pos, live, ws, rows, cols, q_heads,       \
+                                                 kv_heads, head_dim, n_lanes, window, splits,    \
+                                                 row_blocks);                                    \
+    }
+ATTN_RING_ENTRY(16, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(32, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(64, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(128, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(256, 1)
+
+// grid (q_heads, cols, rows); 128 threads.
 extern "C" __global__ void sliding_window_attention_merge(const float* ws, const int* live,
                                                           __nv_bfloat16* out, int rows, int cols,
                                                           int q_heads, int head_dim, int splits) {

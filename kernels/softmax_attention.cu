@@ -1,204 +1,567 @@
 // softmax_attention: split-KV non-causal attention of a query block over a paged context and
 // the block's own live K/V (contract: crates/dflash-ops/src/softmax_attention/mod.rs).
 //
-// This file also holds the device bodies shared with sliding_window_attention: its launcher
-// compiles this file followed by kernels/sliding_window_attention.cu as one module.
+// This file also holds the body shared with sliding_window_attention: its launcher compiles
+// this file followed by kernels/sliding_window_attention.cu as one module. The two ops differ
+// only in the context map (pages here, a ring there) and the window (0 = none).
 //
-// Work split. A row's key list is its context keys t in [0, n_ctx) (absolute position
-// ctx_lo + t) followed by its live block keys t in [n_ctx, n_ctx + L) (block column
-// t - n_ctx). Block (split s, KV head kvh, row r) takes keys [s*chunk, (s+1)*chunk) with
-// chunk = ceil(n / splits) and, for every live column i and every query head h of the KV
-// group, one warp runs an online softmax over the visible keys of the chunk and writes the
-// partial (m, l, acc[D]) to the workspace. Layout (item = ((r*cols + i)*Hq + h)*splits + s):
-//   ws[2*item] = m (max score, -inf when no key was visible), ws[2*item + 1] = l (sum of
-//   exp(score - m)), ws[2*rows*cols*Hq*splits + item*D + d] = acc[d] (sum of exp(score-m)*v).
-// The merge (one block per (row, column)) combines the splits exactly and writes +0.0 for
-// dead columns.
+// Query rows. The Hq / Hkv query heads of one KV head times the live columns of one request
+// share every K/V tile: query row m = i * G + hh (column i, head kvh * G + hh, G = Hq / Hkv).
+// A block takes ATTN_ROWS = 64 such rows (four m16 MMA tiles, one per warp; more rows than 64
+// (G * cols > 64) use further row blocks).
+//
+// Key list of a row. Context keys first: positions [ctx_lo, F) (paged: ctx_lo = 0; ring:
+// ctx_lo = max(0, F - S + 1), the union of what the columns see), in tiles of KT keys; then
+// the live block columns [0, L) in tiles of KT keys. Work follows the live context, not the
+// capacity: with T = ceil(n_ctx / KT) + ceil(L / KT) tiles and `splits` blocks launched per
+// (row, KV head, row block), each active split takes tps = ceil(T / splits) consecutive tiles;
+// splits past ceil(T / tps) exit at once.
+//
+// Per tile (all threads): cp.async stages the KT K and V rows (16-byte chunks, zero-filled for
+// invalid keys) STAGES - 1 tiles ahead of the one being computed (one barrier per tile).
+// Each warp computes S = Q K^T for its 16 query rows (and its share of the tile's keys) with
+// mma.m16n8k16 (BF16 in, FP32 accumulate), masks invisible keys (window, page holes, dead
+// columns) to -inf, runs an online softmax in base 2 (scores pre-scaled by log2(e) / sqrt(D);
+// the accumulator is rescaled only when a row's maximum grows) and accumulates P V with the
+// tensor cores, V used exactly as stored (attn_split_body says how P is represented).
+//
+// Workspace (f32 words; item = ((r * cols + i) * Hq + h) * splits + s):
+//   ws[2 * item] = m (running max, base-2 scaled units; -inf when no key was visible),
+//   ws[2 * item + 1] = l (sum of 2^(score - m)),
+//   ws[ML + item * D + d] = acc[d] (sum of 2^(score - m) * v[d]), ML = 2 * rows * cols * Hq * splits,
+//   ws[ML + ML / 2 * D + r] = the number of active splits of row r (an int's bits).
+// The merge (one block per (head, column, row)) combines the active splits exactly and
+// writes +0.0 for dead columns.
 
-#define ATTN_MAX_PAIRS 4  // head_dim <= 256: lane owns bf16 pairs lane + 32*u, u < 4
+#define ATTN_THREADS 128
+#define ATTN_WARPS 4
+#define ATTN_ROWS 64
+#define ATTN_MIN_BLOCKS 3  // resident blocks per SM the register budget is sized for
 #define ATTN_NEG_INF __int_as_float((int)0xff800000u)  // -inf without <math.h> (NVRTC)
+#define ATTN_NO_KEY ((int)0x80000000)                  // kpos of an invalid key
+
+// Tile geometry for a padded head dimension DP (a multiple of 16, >= head_dim). Mirrored by
+// `attend::tile_keys` / `attend::smem_bytes` in the launcher.
+template <int DP>
+struct AttnCfg {
+    static constexpr int KT = DP <= 128 ? 32 : 16;     // keys per tile
+    static constexpr int STAGES = DP <= 128 ? 3 : 2;   // cp.async pipeline depth
+    static constexpr int LD = DP + 8;                  // smem row stride in elements (+16 B)
+    static constexpr int NK = KT / 8;                  // key n8 tiles of S
+    static constexpr int ND = DP / 8;                  // d n8 tiles of O
+    static constexpr int KC = DP / 16;                 // k16 chunks of Q K^T
+};
 
 // Context addressing of the full layer: position p of the row lives in page table[p / ps],
-// slot p % ps. Returns the flat slot, or -1 when the page id is out of range (skipped).
+// slot p % ps. Returns the flat slot, or -1 when the page id is out of range (the key is then
+// invisible).
 struct AttnPagedCtx {
     const int* table_row;
     int page_size;
     int pages;
-    __device__ __forceinline__ long long slot(long long p) const {
+    __device__ __forceinline__ int slot(int p) const {
         const int pg = table_row[p / page_size];
         if (pg < 0 || pg >= pages) return -1;
-        return (long long)pg * page_size + (p % page_size);
+        return pg * page_size + (p % page_size);
     }
 };
 
-// One split of one (row, KV head): all live columns x all query heads of the group.
-// window > 0: local layer (|p_key - p_query| < window); window == 0: no window.
-template <typename Ctx>
+// Tiles of a row and how they are split: shared by the split body and (through the written
+// active count) the merge.
+struct AttnPlan {
+    int t_ctx;   // context tiles
+    int tiles;   // context + block tiles
+    int tps;     // tiles per split
+    int active;  // splits with work
+};
+
+__device__ __forceinline__ AttnPlan attn_plan(long long n_ctx, int L, int kt, int splits) {
+    AttnPlan p;
+    p.t_ctx = (int)((n_ctx + kt - 1) / kt);
+    p.tiles = p.t_ctx + (L + kt - 1) / kt;
+    p.tps = (p.tiles + splits - 1) / splits;
+    if (p.tps < 1) p.tps = 1;
+    p.active = L > 0 ? (p.tiles + p.tps - 1) / p.tps : 0;
+    return p;
+}
+
+// One split of one (row, KV head, row block). window > 0: local layer (|p_key - p_query| <
+// window); window == 0: no window. F, ctx_lo, L are already clamped by the entry point.
+//
+// Warps. m-tile mt (16 query rows) of the block's live rows goes to warp mt when 3-4 m-tiles
+// have work; with 1-2 m-tiles, warps 2 mt and 2 mt + 1 share m-tile mt and each takes half of
+// every key tile (KS = 2), and the pair's partial states are combined before the split writes
+// its partial. The context P is one FP16 term (V is FP16: 11-bit weights); the block's P is
+// two BF16 terms hi + lo (16 bits against the BF16 V); the softmax sum uses the same
+// represented weights.
+template <int DP, typename Ctx>
 __device__ __forceinline__ void attn_split_body(
-    const Ctx ctx, long long F, long long ctx_lo, int L, int window,
+    const Ctx ctx, int F, int ctx_lo, int L, int window,
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_blk,
     const __nv_bfloat16* __restrict__ v_blk, const __nv_bfloat16* __restrict__ ctx_k,
-    const __half* __restrict__ ctx_v, float* __restrict__ ws, int r, int kvh, int s, int rows,
-    int cols, int q_heads, int kv_heads, int head_dim, int splits) {
-    const int group = q_heads / kv_heads;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int nwarps = blockDim.x >> 5;
-    const int npairs = head_dim >> 1;
-    const long long n_ctx = F - ctx_lo;  // >= 0
-    const long long n = n_ctx + L;
-    const long long chunk = (n + splits - 1) / splits;
-    const long long t0 = min(n, (long long)s * chunk);
-    const long long t1 = min(n, t0 + chunk);
-    const float scale = 1.0f / sqrtf((float)head_dim);
-    const long long ml_len = 2LL * rows * cols * q_heads * splits;
+    const __half* __restrict__ ctx_v, float* __restrict__ ws, int r, int kvh, int rb, int s,
+    int rows, int cols, int q_heads, int kv_heads, int head_dim, int splits) {
+    typedef AttnCfg<DP> C;
+    constexpr int KT = C::KT, LD = C::LD, STAGES = C::STAGES, NK = C::NK, ND = C::ND;
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(attn_smem);
+    unsigned short* KVs = reinterpret_cast<unsigned short*>(Qs + ATTN_ROWS * LD);  // [STAGES][K,V][KT][LD]
+    int* kpos = reinterpret_cast<int*>(KVs + 2 * STAGES * KT * LD);              // [STAGES][KT]
 
-    for (int it = warp; it < group * L; it += nwarps) {
-        const int i = it / group;
-        const int h = kvh * group + (it % group);
-        const long long qoff = (((long long)r * cols + i) * q_heads + h) * head_dim;
-        const __nv_bfloat162* q2 = reinterpret_cast<const __nv_bfloat162*>(q + qoff);
-        float qf[2 * ATTN_MAX_PAIRS];
-        float acc[2 * ATTN_MAX_PAIRS];
-#pragma unroll
-        for (int u = 0; u < ATTN_MAX_PAIRS; ++u) {
-            const int pr = lane + 32 * u;
-            float2 v = make_float2(0.f, 0.f);
-            if (pr < npairs) v = __bfloat1622float2(q2[pr]);
-            qf[2 * u] = v.x;
-            qf[2 * u + 1] = v.y;
-            acc[2 * u] = 0.f;
-            acc[2 * u + 1] = 0.f;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, qd = lane & 3;
+    const int group = q_heads / kv_heads;
+    const float inv_group = 1.0f / (float)group;  // exact row / group for rows < 2^20
+    const int n_ctx = F - ctx_lo;
+    const AttnPlan plan = attn_plan(n_ctx, L, KT, splits);
+    const long long ml_len = 2LL * rows * cols * q_heads * splits;
+    if (s == 0 && kvh == 0 && rb == 0 && tid == 0) {
+        ws[ml_len + (ml_len / 2) * head_dim + r] = __int_as_float(plan.active);
+    }
+    const int row0 = rb * ATTN_ROWS;  // first query row of this block
+    const int live_rows = min(ATTN_ROWS, group * L - row0);
+    if (s >= plan.active || live_rows <= 0) return;
+    const int t0 = s * plan.tps;
+    const int t1 = min(plan.tiles, t0 + plan.tps);
+    const bool fast = (head_dim == DP);  // 16-byte rows, compile-time chunking
+    const bool vec = (head_dim & 7) == 0;
+    const int slot_stride = kv_heads * head_dim;  // elements between context slots
+    const int kvh_off = kvh * head_dim;
+
+    // Zero the padding columns [head_dim, DP) of Q and every K/V stage once: loads never
+    // write them, and Q K^T / P V then see exact zeros there.
+    if (!fast) {
+        for (int e = tid; e < (ATTN_ROWS + 2 * STAGES * KT) * (DP - head_dim); e += ATTN_THREADS) {
+            const int row = e / (DP - head_dim);
+            const int c = head_dim + e % (DP - head_dim);
+            if (row < ATTN_ROWS) Qs[row * LD + c] = __float2bfloat16_rn(0.0f);
+            else KVs[(row - ATTN_ROWS) * LD + c] = 0;
         }
-        float m = ATTN_NEG_INF;
-        float l = 0.f;
-        const long long pq = F + i;  // absolute query position
-        for (long long t = t0; t < t1; ++t) {
-            // Everything deciding visibility is uniform across the warp.
-            const bool is_ctx = t < n_ctx;
-            long long off;
-            if (is_ctx) {
-                const long long p = ctx_lo + t;
-                if (window > 0 && p <= pq - window) continue;  // distance >= window
-                const long long slot = ctx.slot(p);
-                if (slot < 0) continue;
-                off = (slot * kv_heads + kvh) * head_dim;
-            } else {
-                const int j = (int)(t - n_ctx);
-                if (window > 0 && abs(j - i) >= window) continue;
-                off = (((long long)r * cols + j) * kv_heads + kvh) * head_dim;
-            }
-            const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(
-                (is_ctx ? ctx_k : k_blk) + off);
-            float part = 0.f;
+    }
+
+    // Generic row copy (head dims below DP): chunk c of a row, zero-filled if !valid.
+    const int chunks = vec ? head_dim / 8 : head_dim / 2;
+    auto copy_chunk = [&](unsigned short* dst, const unsigned short* src, bool valid, int c) {
+        if (vec) {
+            df_cp_async16(df_smem_u32(dst + c * 8), valid ? (const void*)(src + c * 8) : (const void*)q,
+                          valid);
+        } else {
+            reinterpret_cast<unsigned*>(dst)[c] = valid ? reinterpret_cast<const unsigned*>(src)[c] : 0u;
+        }
+    };
+    auto q_src = [&](int m, bool& valid) -> const unsigned short* {
+        const int gm = row0 + m;
+        const int i = __float2int_rz(((float)gm + 0.5f) * inv_group);
+        const int hh = gm - i * group;
+        valid = i < L;
+        return reinterpret_cast<const unsigned short*>(
+            q + (((long long)r * cols + (valid ? i : 0)) * q_heads + kvh * group + hh) * head_dim);
+    };
+
+    // Q rows of this block (row m = i * G + hh), zero when past the live columns.
+    if (fast) {
+        constexpr int CH = DP / 8, PER = ATTN_ROWS * CH / ATTN_THREADS, MSTEP = ATTN_THREADS / CH;
+        const int c = tid % CH;
 #pragma unroll
-            for (int u = 0; u < ATTN_MAX_PAIRS; ++u) {
-                const int pr = lane + 32 * u;
-                if (pr < npairs) {
-                    const float2 kk = __bfloat1622float2(k2[pr]);
-                    part = fmaf(qf[2 * u], kk.x, part);
-                    part = fmaf(qf[2 * u + 1], kk.y, part);
+        for (int u = 0; u < PER; ++u) {
+            const int m = tid / CH + u * MSTEP;
+            bool valid;
+            const unsigned short* src = q_src(m, valid);
+            df_cp_async16(df_smem_u32(Qs + m * LD + c * 8), valid ? (const void*)(src + c * 8) : (const void*)q,
+                          valid);
+        }
+    } else {
+        for (int e = tid; e < ATTN_ROWS * chunks; e += ATTN_THREADS) {
+            const int m = e / chunks, c = e % chunks;
+            bool valid;
+            const unsigned short* src = q_src(m, valid);
+            copy_chunk(reinterpret_cast<unsigned short*>(Qs + m * LD), src, valid, c);
+        }
+    }
+
+    // Slot (or block column) of key t of tile tt, -1 when invalid. Context keys of one tile
+    // are consecutive positions, resolved from the tile's first position.
+    auto key_slot = [&](int tt, int t) -> int {
+        if (tt < plan.t_ctx) {
+            const int o = tt * KT + t;  // offset in the context range (no overflow past F)
+            return o < n_ctx ? ctx.slot(ctx_lo + o) : -1;
+        }
+        const int j = (tt - plan.t_ctx) * KT + t;
+        return j < L ? j : -1;
+    };
+    // Stage tile tt into buffer st: K, V rows and their kpos (context: p - F in -n_ctx..-1;
+    // block: the column; ATTN_NO_KEY when invalid).
+    auto load_tile = [&](int tt, int st) {
+        unsigned short* Ks = KVs + (2 * st) * KT * LD;
+        unsigned short* Vs = KVs + (2 * st + 1) * KT * LD;
+        const bool is_ctx = tt < plan.t_ctx;
+        const unsigned short* kbase = reinterpret_cast<const unsigned short*>(is_ctx ? ctx_k : k_blk);
+        const unsigned short* vbase = is_ctx ? reinterpret_cast<const unsigned short*>(ctx_v)
+                                             : reinterpret_cast<const unsigned short*>(v_blk);
+        const long long blk0 = ((long long)r * cols) * slot_stride;  // block row r
+        auto row_off = [&](int sl) -> long long {
+            return (is_ctx ? 0LL : blk0) + (long long)sl * slot_stride + kvh_off;
+        };
+        if (fast) {
+            constexpr int CH = DP / 8;
+            constexpr int PER = KT * CH / ATTN_THREADS > 0 ? KT * CH / ATTN_THREADS : 1;
+            constexpr int KSTEP = ATTN_THREADS / CH > 0 ? ATTN_THREADS / CH : 1;
+            if (KT * CH >= ATTN_THREADS) {
+                const int c = tid % CH;
+                int sl[PER];
+#pragma unroll
+                for (int u = 0; u < PER; ++u) sl[u] = key_slot(tt, tid / CH + u * KSTEP);
+#pragma unroll
+                for (int u = 0; u < PER; ++u) {
+                    const int t = tid / CH + u * KSTEP;
+                    const bool valid = sl[u] >= 0;
+                    const long long off = valid ? row_off(sl[u]) + c * 8 : 0;
+                    df_cp_async16(df_smem_u32(Ks + t * LD + c * 8), kbase + off, valid);
+                    df_cp_async16(df_smem_u32(Vs + t * LD + c * 8), vbase + off, valid);
                 }
+            } else if (tid < KT * CH) {  // small tiles (DP = 16): one chunk per thread
+                const int t = tid / CH, c = tid % CH;
+                const int sl = key_slot(tt, t);
+                const bool valid = sl >= 0;
+                const long long off = valid ? row_off(sl) + c * 8 : 0;
+                df_cp_async16(df_smem_u32(Ks + t * LD + c * 8), kbase + off, valid);
+                df_cp_async16(df_smem_u32(Vs + t * LD + c * 8), vbase + off, valid);
             }
+        } else {
+            for (int e = tid; e < KT * chunks; e += ATTN_THREADS) {
+                const int t = e / chunks, c = e % chunks;
+                const int sl = key_slot(tt, t);
+                const bool valid = sl >= 0;
+                const long long off = valid ? row_off(sl) : 0;
+                copy_chunk(Ks + t * LD, kbase + off, valid, c);
+                copy_chunk(Vs + t * LD, vbase + off, valid, c);
+            }
+        }
+        if (tid < KT) {
+            const int sl = key_slot(tt, tid);
+            int kp = ATTN_NO_KEY;
+            if (sl >= 0) kp = is_ctx ? tt * KT + tid - n_ctx : (tt - plan.t_ctx) * KT + tid;
+            kpos[st * KT + tid] = kp;
+        }
+    };
+
+    // Warp roles (see above): m-tile, key half, keys per warp per tile.
+    const int n_mt = (live_rows + 15) / 16;
+    const int ks = n_mt <= 2 ? 2 : 1;
+    const int mt = warp / ks;
+    const int kbeg = (warp % ks) * (KT / ks);
+    const int nkw = NK / ks;  // key n8 tiles of this warp per tile
+    const bool warp_live = mt < n_mt;
+    const int mrow0 = mt * 16;
+    int col_of[2];
+    bool row_ok[2];
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-            const float sc = part * scale;
-            const float m_new = fmaxf(m, sc);
-            const float corr = expf(m - m_new);  // 0 when m == -inf
-            const float w = expf(sc - m_new);
-            l = fmaf(l, corr, w);
+    for (int h2 = 0; h2 < 2; ++h2) {
+        const int gm = row0 + mrow0 + g + 8 * h2;
+        col_of[h2] = __float2int_rz(((float)gm + 0.5f) * inv_group);
+        row_ok[h2] = col_of[h2] < L;
+    }
+    float m_run[2] = {ATTN_NEG_INF, ATTN_NEG_INF};
+    float l_run[2] = {0.f, 0.f};
+    float o[ND][4];
 #pragma unroll
-            for (int u = 0; u < ATTN_MAX_PAIRS; ++u) {
-                const int pr = lane + 32 * u;
-                if (pr < npairs) {
-                    float2 vv;
-                    if (is_ctx) {
-                        vv = __half22float2(reinterpret_cast<const __half2*>(ctx_v + off)[pr]);
-                    } else {
-                        vv = __bfloat1622float2(
-                            reinterpret_cast<const __nv_bfloat162*>(v_blk + off)[pr]);
+    for (int dt = 0; dt < ND; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    const float sl2 = 1.4426950408889634f / sqrtf((float)head_dim);
+
+    // Prologue: Q with tile t0 (group 0), then tiles t0 + 1 .. t0 + STAGES - 2.
+#pragma unroll
+    for (int s0 = 0; s0 < STAGES - 1; ++s0) {
+        if (t0 + s0 < t1) load_tile(t0 + s0, s0);
+        df_cp_commit();  // possibly empty
+    }
+
+    for (int tt = t0; tt < t1; ++tt) {
+        const int st = (tt - t0) % STAGES;
+        df_cp_wait<STAGES - 2>();
+        __syncthreads();  // tile tt (and Q) visible to every thread; tile tt - 1's stage is free
+        {
+            const int nt = tt + STAGES - 1;
+            if (nt < t1) load_tile(nt, (nt - t0) % STAGES);
+            df_cp_commit();
+        }
+        if (!warp_live) continue;
+        const unsigned short* Ks = KVs + (2 * st) * KT * LD;
+        const unsigned short* Vs = KVs + (2 * st + 1) * KT * LD;
+        const int* kp = kpos + st * KT + kbeg;
+        const bool is_ctx = tt < plan.t_ctx;
+        // S = Q K^T over this warp's keys of the tile.
+        float sc[NK][4];
+#pragma unroll
+        for (int j = 0; j < NK; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < C::KC; ++kc) {
+            unsigned a0, a1, a2, a3;
+            df_ldsm_x4(df_smem_u32(Qs + (mrow0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                   kc * 16 + (lane >> 4) * 8),
+                       a0, a1, a2, a3);
+#pragma unroll
+            for (int np = 0; np < NK / 2; ++np) {
+                if (2 * np >= nkw) break;
+                unsigned b0, b1, b2, b3;
+                df_ldsm_x4(df_smem_u32(Ks + (kbeg + np * 16 + (lane & 7) + (lane >> 4) * 8) * LD +
+                                       kc * 16 + ((lane >> 3) & 1) * 8),
+                           b0, b1, b2, b3);
+                df_mma_bf16(sc[2 * np], a0, a1, a2, a3, b0, b1);
+                df_mma_bf16(sc[2 * np + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        // Mask, scale, online softmax (per thread: rows g, g + 8; a quad shares a row).
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+            const int i = col_of[h2];
+            float mx = ATTN_NEG_INF;
+#pragma unroll
+            for (int j = 0; j < NK; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    bool vis = false;
+                    if (j < nkw) {
+                        const int kk = kp[j * 8 + 2 * qd + e];
+                        vis = row_ok[h2] && kk != ATTN_NO_KEY;
+                        if (window > 0) {
+                            // context: p - F_q > -window with p = F + kk, query at F + i;
+                            // block: |j - i| < window.
+                            vis = vis && (is_ctx ? (kk - i > -window) : (abs(kk - i) < window));
+                        }
                     }
-                    acc[2 * u] = fmaf(acc[2 * u], corr, w * vv.x);
-                    acc[2 * u + 1] = fmaf(acc[2 * u + 1], corr, w * vv.y);
+                    const float v = vis ? sc[j][2 * h2 + e] * sl2 : ATTN_NEG_INF;
+                    sc[j][2 * h2 + e] = v;
+                    mx = fmaxf(mx, v);
                 }
             }
-            m = m_new;
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_run[h2], mx);
+            const float base = m_new == ATTN_NEG_INF ? 0.f : m_new;
+            const float corr = exp2f(m_run[h2] - base);  // 0 when m_run == -inf; 1 when unchanged
+            m_run[h2] = m_new;
+            if (__any_sync(0xffffffffu, corr != 1.f)) {
+                l_run[h2] *= corr;
+#pragma unroll
+                for (int dt = 0; dt < ND; ++dt) {
+                    o[dt][2 * h2] *= corr;
+                    o[dt][2 * h2 + 1] *= corr;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NK; ++j) {
+                sc[j][2 * h2] = exp2f(sc[j][2 * h2] - base);
+                sc[j][2 * h2 + 1] = exp2f(sc[j][2 * h2 + 1] - base);
+            }
         }
+        // O += P V over this warp's keys.
+#pragma unroll
+        for (int kc2 = 0; kc2 < KT / 16; ++kc2) {
+            if (2 * kc2 >= nkw) break;
+            unsigned ah[4], al[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                // u: 0 = (row g, keys 2q..), 1 = (row g+8, ..), 2 = (row g, 8+2q..), 3 = (g+8, 8+..)
+                const int j = 2 * kc2 + (u >> 1);
+                const int h2 = u & 1;
+                const float p0 = sc[j][2 * h2], p1 = sc[j][2 * h2 + 1];
+                if (is_ctx) {
+                    const __half h0 = __float2half_rn(p0), h1 = __float2half_rn(p1);
+                    ah[u] = df_pack_f16(h0, h1);
+                    l_run[h2] += __half2float(h0) + __half2float(h1);
+                } else {
+                    const __nv_bfloat16 h0 = __float2bfloat16_rn(p0), h1 = __float2bfloat16_rn(p1);
+                    const __nv_bfloat16 q0 = __float2bfloat16_rn(p0 - __bfloat162float(h0));
+                    const __nv_bfloat16 q1 = __float2bfloat16_rn(p1 - __bfloat162float(h1));
+                    ah[u] = df_pack_bf16(h0, h1);
+                    al[u] = df_pack_bf16(q0, q1);
+                    l_run[h2] += (__bfloat162float(h0) + __bfloat162float(q0)) +
+                                 (__bfloat162float(h1) + __bfloat162float(q1));
+                }
+            }
+#pragma unroll
+            for (int dp = 0; dp < ND / 2; ++dp) {
+                unsigned b0, b1, b2, b3;
+                df_ldsm_x4_trans(df_smem_u32(Vs + (kbeg + kc2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                             dp * 16 + (lane >> 4) * 8),
+                                 b0, b1, b2, b3);
+                if (is_ctx) {
+                    df_mma_f16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
+                    df_mma_f16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                } else {
+                    df_mma_bf16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
+                    df_mma_bf16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
+                    df_mma_bf16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                    df_mma_bf16(o[2 * dp + 1], al[0], al[1], al[2], al[3], b2, b3);
+                }
+            }
+        }
+    }
+    df_cp_wait<0>();
+
+    // Key-split pairs: the second warp of a pair hands its state to the first through shared
+    // memory (the K/V stages are free now), which combines the two.
+    if (ks == 2) {
+        __syncthreads();  // every warp is done with the stages
+        float* xch = reinterpret_cast<float*>(KVs) + (size_t)mt * 32 * (4 * ND + 4);
+        if (warp_live && (warp % 2) == 1) {
+            float* my = xch + lane * (4 * ND + 4);
+            my[0] = m_run[0];
+            my[1] = m_run[1];
+            my[2] = l_run[0];
+            my[3] = l_run[1];
+#pragma unroll
+            for (int dt = 0; dt < ND; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) my[4 + 4 * dt + e] = o[dt][e];
+        }
+        __syncthreads();
+        if (warp % 2 == 1) return;
+        if (warp_live) {
+            const float* pr = xch + lane * (4 * ND + 4);
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const float m1 = pr[h2];
+                const float M = fmaxf(m_run[h2], m1);
+                const float a0 = m_run[h2] == ATTN_NEG_INF ? 0.f : exp2f(m_run[h2] - M);
+                const float a1 = m1 == ATTN_NEG_INF ? 0.f : exp2f(m1 - M);
+                m_run[h2] = M;
+                l_run[h2] = l_run[h2] * a0 + pr[2 + h2] * a1;
+#pragma unroll
+                for (int dt = 0; dt < ND; ++dt) {
+                    o[dt][2 * h2] = o[dt][2 * h2] * a0 + pr[4 + 4 * dt + 2 * h2] * a1;
+                    o[dt][2 * h2 + 1] = o[dt][2 * h2 + 1] * a0 + pr[4 + 4 * dt + 2 * h2 + 1] * a1;
+                }
+            }
+        }
+    }
+
+    // Partials of this split: (m, l) per live query row and its accumulator row.
+    if (!warp_live) return;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+        float l = l_run[h2];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (!row_ok[h2]) continue;
+        const int gm = row0 + mrow0 + g + 8 * h2;
+        const int i = col_of[h2], h = kvh * group + (gm - i * group);
         const long long item = (((long long)r * cols + i) * q_heads + h) * splits + s;
-        if (lane == 0) {
-            ws[2 * item] = m;
+        if (qd == 0) {
+            ws[2 * item] = m_run[h2];
             ws[2 * item + 1] = l;
         }
         float* a = ws + ml_len + item * head_dim;
 #pragma unroll
-        for (int u = 0; u < ATTN_MAX_PAIRS; ++u) {
-            const int pr = lane + 32 * u;
-            if (pr < npairs) {
-                a[2 * pr] = acc[2 * u];
-                a[2 * pr + 1] = acc[2 * u + 1];
+        for (int dt = 0; dt < ND; ++dt) {
+            const int d = dt * 8 + 2 * qd;
+            if (d < head_dim) {
+                *reinterpret_cast<float2*>(a + d) = make_float2(o[dt][2 * h2], o[dt][2 * h2 + 1]);
             }
         }
     }
 }
 
-// Merge of one (row, column): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, RNE to
-// bf16 once; dead columns (i >= live) get +0.0 in every element.
+// Merge of one (head, column, row): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+// over the row's active splits, RNE to bf16 once; dead columns (i >= live) get +0.0. The
+// split weights are computed once into shared memory (one parallel load of every (m, l)),
+// then each thread sums its elements with independent, unrolled loads.
+#define ATTN_MAX_SPLITS 64
 __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
                                                 const int* __restrict__ live,
                                                 __nv_bfloat16* __restrict__ out, int rows,
                                                 int cols, int q_heads, int head_dim, int splits) {
-    const int r = blockIdx.x / cols;
-    const int i = blockIdx.x % cols;
+    __shared__ float s_w[ATTN_MAX_SPLITS];
+    __shared__ float s_den;
+    const int h = blockIdx.x, i = blockIdx.y, r = blockIdx.z;
     const int L = min(max(live[r], 0), cols);
-    const int hd = q_heads * head_dim;
-    __nv_bfloat16* o = out + ((long long)r * cols + i) * hd;
+    __nv_bfloat16* o = out + (((long long)r * cols + i) * q_heads + h) * head_dim;
     if (i >= L) {
-        for (int e = threadIdx.x; e < hd; e += blockDim.x) o[e] = f2bf(0.0f);
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = f2bf(0.0f);
         return;
     }
     const long long ml_len = 2LL * rows * cols * q_heads * splits;
-    for (int e = threadIdx.x; e < hd; e += blockDim.x) {
-        const int h = e / head_dim;
-        const int d = e - h * head_dim;
-        const long long item0 = (((long long)r * cols + i) * q_heads + h) * splits;
-        float mx = ATTN_NEG_INF;
-        for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ws[2 * (item0 + s)]);
-        float num = 0.f;
-        float den = 0.f;
-        if (mx != ATTN_NEG_INF) {
-            for (int s = 0; s < splits; ++s) {
-                const float ms = ws[2 * (item0 + s)];
-                if (ms == ATTN_NEG_INF) continue;  // neutral partial
-                const float w = expf(ms - mx);
-                den = fmaf(w, ws[2 * (item0 + s) + 1], den);
-                num = fmaf(w, ws[ml_len + (item0 + s) * head_dim + d], num);
-            }
+    const int active =
+        min(max(__float_as_int(ws[ml_len + (ml_len / 2) * head_dim + r]), 0), min(splits, ATTN_MAX_SPLITS));
+    const long long item0 = (((long long)r * cols + i) * q_heads + h) * splits;
+    if (threadIdx.x < 32) {
+        // Lane s handles splits s and s + 32.
+        const int s = threadIdx.x;
+        float ms[2], ls[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int sp = s + 32 * u;
+            ms[u] = sp < active ? ws[2 * (item0 + sp)] : ATTN_NEG_INF;
+            ls[u] = sp < active ? ws[2 * (item0 + sp) + 1] : 0.f;
         }
-        o[e] = f2bf(den > 0.f ? num / den : 0.0f);
+        float mx = fmaxf(ms[0], ms[1]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        float den = 0.f;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            // A split that saw no key (m = -inf) has weight 0; so has every split when M = -inf.
+            const float w = (ms[u] == ATTN_NEG_INF || mx == ATTN_NEG_INF) ? 0.f : exp2f(ms[u] - mx);
+            den = fmaf(w, ls[u], den);
+            s_w[s + 32 * u] = w;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
+        if (s == 0) s_den = den;
+    }
+    __syncthreads();
+    const float den = s_den;
+    const float* acc = ws + ml_len + item0 * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float num = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < active; ++s) num = fmaf(s_w[s], acc[(long long)s * head_dim + d], num);
+        o[d] = f2bf(den > 0.f ? num / den : 0.0f);
     }
 }
 
-// grid (splits, kv_heads, rows); block 32 * nwarps threads.
-extern "C" __global__ void softmax_attention_split(
+// Full-layer entry: grid (splits, kv_heads * row_blocks, rows), ATTN_THREADS threads,
+// dynamic shared memory attend::smem_bytes(DP).
+template <int DP>
+__device__ __forceinline__ void softmax_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
     const __nv_bfloat16* pages_k, const __half* pages_v, const int* page_table,
     const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,
-    int kv_heads, int head_dim, int pages, int page_size, int max_pages, int splits) {
+    int kv_heads, int head_dim, int pages, int page_size, int max_pages, int splits,
+    int row_blocks) {
     const int s = blockIdx.x;
-    const int kvh = blockIdx.y;
+    const int kvh = blockIdx.y / row_blocks, rb = blockIdx.y % row_blocks;
     const int r = blockIdx.z;
-    const long long cap = (long long)max_pages * page_size;
-    const long long F = min(max((long long)start_pos[r], 0LL), cap);
+    const long long cap = (long long)max_pages * page_size;  // <= i32::MAX (checked on the host)
+    const int F = (int)min(max((long long)start_pos[r], 0LL), cap);
     const int L = min(max(live[r], 0), cols);
     AttnPagedCtx ctx;
     ctx.table_row = page_table + (long long)r * max_pages;
     ctx.page_size = page_size;
     ctx.pages = pages;
-    attn_split_body(ctx, F, 0LL, L, 0, q, k_blk, v_blk, pages_k, pages_v, ws, r, kvh, s, rows,
-                    cols, q_heads, kv_heads, head_dim, splits);
+    attn_split_body<DP>(ctx, F, 0, L, 0, q, k_blk, v_blk, pages_k, pages_v, ws, r, kvh, rb, s,
+                        rows, cols, q_heads, kv_heads, head_dim, splits);
 }
 
-// grid (rows * cols); block 256 threads.
+#define ATTN_FULL_ENTRY(DP, MINB)                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) softmax_attention_split_d##DP(    \
+        const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,          \
+        const __nv_bfloat16* pages_k, const __half* pages_v, const int* page_table,              \
+        const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,       \
+        int kv_heads, int head_dim, int pages, int page_size, int max_pages, int splits,         \
+        int row_blocks) {                                                                        \
+        softmax_attention_split_entry<DP>(q, k_blk, v_blk, pages_k, pages_v, page_table,        \
+                                          start_pos, live, ws, rows, cols, q_heads, kv_heads,   \
+                                          head_dim, pages, page_size, max_pages, splits,        \
+                                          row_blocks);                                          \
+    }
+ATTN_FULL_ENTRY(16, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(32, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(64, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(128, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(256, 1)
+
+// grid (q_heads, cols, rows); 128 threads.
 extern "C" __global__ void softmax_attention_merge(const float* ws, const int* live,
                                                    __nv_bfloat16* out, int rows, int cols,
                                                    int q_heads, int head_dim, int splits) {

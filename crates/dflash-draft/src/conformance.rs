@@ -148,13 +148,14 @@ fn run_once(be: &Backend, spec: &CaseSpec) -> Result<RunData> {
         }
     }
     let embedding = be.upload(&parts.embedding)?;
-    let (head_rows, token_ids) = match spec.indexed {
+    let (head_host, token_ids) = match spec.indexed {
         Some(n) => {
             let (rows, ids) = synthetic::shortlist(&parts.output_head, h, public, n, spec.seed);
-            (be.upload(&rows)?, Some(ids))
+            (rows, Some(ids))
         }
-        None => (be.upload(&parts.output_head)?, None),
+        None => (std::mem::take(&mut parts.output_head), None),
     };
+    let head_rows = be.upload(&head_host)?;
     let ids_buf = match &token_ids {
         Some(ids) => Some(be.upload(ids)?),
         None => None,
@@ -194,7 +195,28 @@ fn run_once(be: &Backend, spec: &CaseSpec) -> Result<RunData> {
     let proposals = out.iter().flat_map(|p| p.tokens.clone()).collect();
     let keep_detail = be.is_cpu();
     let logits = if keep_detail {
-        be.download(&ws.logits)?
+        // The head's f32 logits (the fused head never stores them): the CPU GEMM of the
+        // mask hidden the head consumed.
+        let cpu = Backend::cpu();
+        let n = spec.rows.len() * spec.k;
+        let hidden: Vec<dflash_ops::bf16> = mask_hidden
+            .iter()
+            .map(|&x| dflash_ops::bf16::from_f32(x))
+            .collect();
+        let rows = head_host.len() / h;
+        let mut out = cpu.zeros(n * rows)?;
+        dflash_ops::gemm::run_f32(
+            &cpu,
+            &cpu.upload(&hidden)?,
+            &cpu.upload(&head_host)?,
+            &mut out,
+            &dflash_ops::gemm::GemmParams {
+                m: n,
+                n: rows,
+                k: h,
+            },
+        )?;
+        cpu.download(&out)?
     } else {
         Vec::new()
     };

@@ -392,6 +392,7 @@ impl DraftModel {
                         &ac.projection,
                         &mut ws.n,
                         &mut ws.finish_delta,
+                        ws.conv_scratch.as_mut().ok_or_else(no_conv_scratch)?,
                         &conv_p,
                     )?;
                     self.attention(l, lw, pool, ws)?;
@@ -413,6 +414,7 @@ impl DraftModel {
                         &mc.projection,
                         &mut ws.n,
                         &mut ws.finish_delta,
+                        ws.conv_scratch.as_mut().ok_or_else(no_conv_scratch)?,
                         &conv_p,
                     )?;
                     mlp(be, lw, ws, tokens, hidden, inter)?;
@@ -457,43 +459,33 @@ impl DraftModel {
             },
         )?;
         let cols = rows * k;
-        gemm::run_f32(
-            be,
-            &ws.mask_hidden,
-            target.head_weight(),
-            &mut ws.logits,
-            &gemm::GemmParams {
-                m: cols,
-                n: ws.head.rows,
-                k: hidden,
-            },
-        )?;
+        let head_p = proposal_argmax::Params {
+            n: cols,
+            rows: ws.head.rows,
+            hidden,
+            public_vocab: ws.head.public_vocab,
+            head: ws.head.kind,
+        };
         match (&self.weights.selector, &mut ws.selector) {
             (None, _) => proposal_argmax::run(
                 be,
-                &ws.logits,
+                &ws.mask_hidden,
+                target.head_weight(),
                 target.token_ids(),
                 &mut ws.proposals,
-                &proposal_argmax::Params {
-                    n: cols,
-                    rows: ws.head.rows,
-                    public_vocab: ws.head.public_vocab,
-                    head: ws.head.kind,
-                },
+                &mut ws.head_workspace,
+                &head_p,
             )?,
             (Some(sw), Some(sel)) => {
                 unary_topk::run(
                     be,
-                    &ws.logits,
+                    &ws.mask_hidden,
+                    target.head_weight(),
                     target.token_ids(),
                     &mut sel.unary,
                     &mut sel.candidates,
-                    &unary_topk::Params {
-                        n: cols,
-                        rows: ws.head.rows,
-                        public_vocab: ws.head.public_vocab,
-                        head: ws.head.kind,
-                    },
+                    &mut ws.head_workspace,
+                    &head_p,
                 )?;
                 let rank = sw.hidden_projection.len() / hidden.max(1);
                 gemm::run_bf16(
@@ -672,6 +664,15 @@ impl DraftModel {
 }
 
 /// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`.
+/// The error of a DFlash2 layer run with a workspace that has no convolution scratch.
+fn no_conv_scratch() -> DraftError {
+    DraftError::invalid(
+        "workspace",
+        "a DFlash2 workspace (convolution scratch)",
+        "a DFlash workspace",
+    )
+}
+
 fn mlp(
     be: &Backend,
     lw: &LayerWeights,
@@ -802,10 +803,10 @@ pub struct SelectorBuffers {
 /// Bytes (BF16 = 2, F32/I32 = 4): three `[tokens, H]` residual/normalized streams and one
 /// branch output (BF16), `[tokens, Hq*D]` Q raw (F32) + Q + attention output (BF16),
 /// `[tokens, Hkv*D]` K raw (F32) + K + V (BF16), three `[tokens, I]` MLP buffers (BF16),
-/// DFlash2's `[tokens, 2*H/16]` finish delta, two `[rows*K, H]` mask streams, the
-/// `[rows*K, head rows]` F32 logits (the largest: 15 MB per row at K = 15 with the 248320-row
-/// head), the attention scratch (`workspace_len` of the ops, the maximum over layers) and the
-/// small per-row metadata.
+/// DFlash2's `[tokens, 2*H/16]` finish delta, two `[rows*K, H]` mask streams, the head's
+/// partials (`workspace_len` of `proposal_argmax` / `unary_topk`: the fused head never stores
+/// its `[rows*K, head rows]` logits), the attention scratch (`workspace_len` of the ops, the
+/// maximum over layers) and the small per-row metadata.
 #[derive(Debug)]
 pub struct Workspace {
     be: Backend,
@@ -846,11 +847,13 @@ pub struct Workspace {
     up: Buffer<bf16>,
     act: Buffer<bf16>,
     finish_delta: Buffer<bf16>,
+    /// DFlash2's convolution scratch (None for DFlash).
+    conv_scratch: Option<dynamic_grouped_conv::PrepareScratch>,
     mask_raw: Buffer<bf16>,
     /// Final-normed hidden of the mask columns `[rows, K, H]` BF16.
     pub mask_hidden: Buffer<bf16>,
-    /// Head logits `[rows*K, head rows]` F32.
-    pub logits: Buffer<f32>,
+    /// Scratch of the fused proposal head (per-block partials).
+    head_workspace: Buffer<f32>,
     /// Proposals `[rows, K]` I32.
     pub proposals: Buffer<i32>,
     /// DFlash2 selector buffers.
@@ -920,14 +923,19 @@ impl Workspace {
             attn_ws = attn_ws.max(len);
         }
         let cols = rows * k;
-        let logits_len = cols.checked_mul(spec.head.rows).ok_or_else(|| {
-            DraftError::invalid(
-                "logits size",
-                "rows*K*head rows within usize",
-                spec.head.rows,
-            )
-        })?;
+        let head_p = proposal_argmax::Params {
+            n: cols,
+            rows: spec.head.rows,
+            hidden: h,
+            public_vocab: spec.head.public_vocab,
+            head: spec.head.kind,
+        };
         let dflash2 = g.dflash2.is_some();
+        let head_ws = if dflash2 {
+            unary_topk::workspace_len(&head_p)
+        } else {
+            proposal_argmax::workspace_len(&head_p)
+        };
         let groups = h / dynamic_grouped_conv::GROUP;
         let selector = match &g.dflash2 {
             Some(p) => Some(SelectorBuffers {
@@ -975,9 +983,23 @@ impl Workspace {
             up: be.zeros(tokens * inter)?,
             act: be.zeros(tokens * inter)?,
             finish_delta: be.zeros(if dflash2 { tokens * 2 * groups } else { 0 })?,
+            conv_scratch: if dflash2 {
+                Some(dynamic_grouped_conv::PrepareScratch::new(
+                    be,
+                    &dynamic_grouped_conv::ConvParams {
+                        rows,
+                        cols: w,
+                        hidden: h,
+                        group: dynamic_grouped_conv::GROUP,
+                        eps: g.rms_norm_eps as f32,
+                    },
+                )?)
+            } else {
+                None
+            },
             mask_raw: be.zeros(cols * h)?,
             mask_hidden: be.zeros(cols * h)?,
-            logits: be.zeros(logits_len)?,
+            head_workspace: be.zeros(head_ws)?,
             proposals: be.zeros(cols)?,
             selector,
         })

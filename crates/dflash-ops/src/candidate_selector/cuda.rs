@@ -9,7 +9,7 @@ use crate::rng::Purpose;
 
 use super::{Inputs, OP, Outputs, Params, TOP_K};
 
-const SOURCE: &str = include_str!(concat!(
+pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/candidate_selector.cu"
 ));

@@ -47,7 +47,7 @@
 //! Comparison. proposals, chosen: exact; q: close (abs 2e-6, rel 2e-5, no BF16 floor).
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;

@@ -62,7 +62,7 @@
 //! shared memory). All f64 operations are `_rn` intrinsics (no contraction).
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 pub(crate) mod reference;
 #[cfg(test)]
 mod tests;

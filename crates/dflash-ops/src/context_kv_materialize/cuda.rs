@@ -10,7 +10,7 @@ use crate::{Buffer, OpsError, Result};
 
 use super::{CacheLayout, MaterializeParams, OP};
 
-const SOURCE: &str = concat!(
+pub(crate) const SOURCE: &str = concat!(
     include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../kernels/head_norm_rope.cu"

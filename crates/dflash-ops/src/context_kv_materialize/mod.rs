@@ -48,7 +48,7 @@
 //!   criterion). Written footprint and untouched slots: exact.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;

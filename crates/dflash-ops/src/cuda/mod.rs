@@ -36,8 +36,29 @@ struct Inner {
     stream: Arc<CudaStream>,
     arch: String,
     include_dir: String,
+    limits: DeviceLimits,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    kernels: Mutex<HashMap<(&'static str, &'static str, usize), Kernel>>,
     blas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
+}
+
+/// Device limits the launchers size their grids and tiles by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Streaming multiprocessors.
+    pub sm_count: usize,
+    /// Shared memory one block may opt in to (bytes).
+    pub smem_per_block_optin: usize,
+}
+
+/// A kernel ready to launch with a given dynamic shared memory size: its function (the
+/// shared-memory limit raised when above 48 KiB) and how many of its blocks fit on one SM.
+#[derive(Clone, Debug)]
+pub(crate) struct Kernel {
+    /// The function.
+    pub(crate) func: CudaFunction,
+    /// Resident blocks per SM at the threads and shared memory it was prepared for.
+    pub(crate) blocks_per_sm: usize,
 }
 
 /// Identification of a CUDA device and its software stack.
@@ -96,6 +117,89 @@ pub fn cuda_include_dir() -> Result<String> {
     })
 }
 
+/// Compile one kernel module (`COMMON_CUH` + `source`) with NVRTC for `arch` (`sm_XY`), with
+/// the options every backend uses; the error carries NVRTC's log.
+pub fn compile_module(
+    module: &str,
+    source: &str,
+    arch: &str,
+    include_dir: &str,
+) -> Result<cudarc::nvrtc::Ptx> {
+    let src = format!("{COMMON_CUH}\n{source}");
+    let opts = cudarc::nvrtc::CompileOptions {
+        include_paths: vec![include_dir.to_string()],
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some(format!("{module}.cu")),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| OpsError::Cuda {
+        context: format!("NVRTC compiling kernels/{module}.cu for {arch}"),
+        message: e.to_string(),
+    })
+}
+
+/// Every kernel module the ops compile: (module name = op id, its source without
+/// `COMMON_CUH`). `sliding_window_attention` is the shared attention body followed by its
+/// own entry points.
+pub fn kernel_modules() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            crate::candidate_selector::OP,
+            crate::candidate_selector::cuda::SOURCE.into(),
+        ),
+        (
+            crate::chain_accept::OP,
+            crate::chain_accept::cuda::SOURCE.into(),
+        ),
+        (
+            crate::context_kv_materialize::OP,
+            crate::context_kv_materialize::cuda::SOURCE.into(),
+        ),
+        (
+            crate::dynamic_grouped_conv::OP,
+            crate::dynamic_grouped_conv::cuda::SOURCE.into(),
+        ),
+        (
+            crate::embedding_gather::OP,
+            crate::embedding_gather::cuda::SOURCE.into(),
+        ),
+        (
+            crate::head_norm_rope::OP,
+            crate::head_norm_rope::cuda::SOURCE.into(),
+        ),
+        (
+            crate::proposal_argmax::OP,
+            crate::proposal_argmax::cuda::SOURCE.into(),
+        ),
+        (
+            crate::residual_add::OP,
+            crate::residual_add::cuda::SOURCE.into(),
+        ),
+        (crate::rms_norm::OP, crate::rms_norm::cuda::SOURCE.into()),
+        (
+            crate::rng_uniform::OP,
+            crate::rng_uniform::cuda::SOURCE.into(),
+        ),
+        (
+            crate::sliding_window_attention::OP,
+            crate::sliding_window_attention::cuda::source().into(),
+        ),
+        (
+            crate::softmax_attention::OP,
+            crate::softmax_attention::cuda::SOURCE.into(),
+        ),
+        (crate::swiglu::OP, crate::swiglu::cuda::SOURCE.into()),
+        (
+            crate::target_distribution::OP,
+            crate::target_distribution::cuda::SOURCE.into(),
+        ),
+        (
+            crate::unary_topk::OP,
+            crate::unary_topk::cuda::source().into(),
+        ),
+    ]
+}
+
 impl CudaBackend {
     /// Open device `ordinal`: a context, a non-default stream, and the NVRTC include path.
     ///
@@ -125,15 +229,99 @@ impl CudaBackend {
             .compute_capability()
             .map_err(cuda_err("reading compute capability"))?;
         let include_dir = cuda_include_dir()?;
+        let attr = |a, what: &str| -> Result<usize> {
+            ctx.attribute(a)
+                .map(|v| usize::try_from(v).unwrap_or(0))
+                .map_err(cuda_err(format!("reading the device's {what}")))
+        };
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let limits = DeviceLimits {
+            sm_count: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count")?.max(1),
+            smem_per_block_optin: attr(
+                A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                "shared memory per block",
+            )?,
+        };
         Ok(CudaBackend {
             inner: Arc::new(Inner {
                 ctx,
                 stream,
                 arch: format!("sm_{major}{minor}"),
                 include_dir,
+                limits,
                 modules: Mutex::new(HashMap::new()),
+                kernels: Mutex::new(HashMap::new()),
                 blas: Mutex::new(None),
             }),
+        })
+    }
+
+    /// The device's SM count and shared-memory limit.
+    pub fn limits(&self) -> DeviceLimits {
+        self.inner.limits
+    }
+
+    /// Function `name` of `module` prepared for blocks of `threads` threads using
+    /// `dyn_smem` bytes of dynamic shared memory (cached): refuses a size above the device's
+    /// opt-in limit, raises the function's limit when above 48 KiB, and reports how many such
+    /// blocks fit on one SM.
+    pub(crate) fn kernel(
+        &self,
+        module: &'static str,
+        source: &str,
+        name: &'static str,
+        threads: u32,
+        dyn_smem: usize,
+    ) -> Result<Kernel> {
+        let key = (module, name, dyn_smem);
+        if let Some(k) = self.lock_kernels(module)?.get(&key) {
+            return Ok(k.clone());
+        }
+        if dyn_smem > self.inner.limits.smem_per_block_optin {
+            return Err(OpsError::Cuda {
+                context: format!("preparing {name}"),
+                message: format!(
+                    "needs {dyn_smem} bytes of shared memory per block; this device allows {}",
+                    self.inner.limits.smem_per_block_optin
+                ),
+            });
+        }
+        let func = self.function(module, source, name)?;
+        use cudarc::driver::sys::CUfunction_attribute_enum as F;
+        func.set_attribute(
+            F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            i32::try_from(dyn_smem).unwrap_or(i32::MAX),
+        )
+        .map_err(cuda_err(format!(
+            "raising the shared memory limit of {name}"
+        )))?;
+        let blocks = func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, dyn_smem, None)
+            .map_err(cuda_err(format!("occupancy of {name}")))?;
+        if blocks == 0 {
+            return Err(OpsError::Cuda {
+                context: format!("preparing {name}"),
+                message: format!(
+                    "no block of {threads} threads with {dyn_smem} bytes of shared memory fits on an SM"
+                ),
+            });
+        }
+        let k = Kernel {
+            func,
+            blocks_per_sm: blocks as usize,
+        };
+        self.lock_kernels(module)?.insert(key, k.clone());
+        Ok(k)
+    }
+
+    fn lock_kernels(
+        &self,
+        module: &str,
+    ) -> Result<std::sync::MutexGuard<'_, HashMap<(&'static str, &'static str, usize), Kernel>>>
+    {
+        self.inner.kernels.lock().map_err(|_| OpsError::Cuda {
+            context: format!("kernel cache ({module})"),
+            message: "lock poisoned".into(),
         })
     }
 
@@ -183,25 +371,8 @@ impl CudaBackend {
             if let Some(m) = cache.get(module) {
                 m.clone()
             } else {
-                let src = format!("{COMMON_CUH}\n{source}");
-                let opts = cudarc::nvrtc::CompileOptions {
-                    include_paths: vec![self.inner.include_dir.clone()],
-                    options: vec![
-                        format!("--gpu-architecture={}", self.inner.arch),
-                        "--std=c++17".into(),
-                    ],
-                    name: Some(format!("{module}.cu")),
-                    ..Default::default()
-                };
-                let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| {
-                    OpsError::Cuda {
-                        context: format!(
-                            "NVRTC compiling kernels/{module}.cu for {}",
-                            self.inner.arch
-                        ),
-                        message: e.to_string(),
-                    }
-                })?;
+                let ptx =
+                    compile_module(module, source, &self.inner.arch, &self.inner.include_dir)?;
                 let m = self
                     .inner
                     .ctx

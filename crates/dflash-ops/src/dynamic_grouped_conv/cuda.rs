@@ -1,27 +1,28 @@
 //! CUDA launcher of `dynamic_grouped_conv` (kernels/dynamic_grouped_conv.cu).
 //!
-//! prepare = two kernels on the stream: `_delta` (grid `[ceil(4G / 8), rows]`, 8 warps, one
-//! projection row k per warp, all columns of its request) writes the output-side delta as
-//! BF16 `finish_delta` and the input-side delta as f32 into the head of each column's own
-//! row of `prepared`; `_prepare` (one block per column) reads that back into shared memory,
-//! synchronizes, then overwrites the row with the convolved BF16 values. finish = one
-//! elementwise kernel.
+//! prepare = three launches on the stream: `_split` (one block per column) writes the inverse
+//! RMS and the exact hi/lo BF16 split of the normalized-input products into the scratch; one
+//! cuBLAS GEMM projects those `2 * columns` rows on `w_delta` (f32 increments); `_apply` (grid
+//! columns x ceil(H / 2048)) writes `prepared` and `finish_delta`. finish = one elementwise
+//! kernel.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::cuda::{CudaBackend, cuda_err};
+use crate::gemm::cuda::{DeviceGemm, gemm_bf16_device};
 use crate::{Buffer, OpsError, Result, bf16};
 
 use super::{ConvParams, OP};
 
-const SOURCE: &str = include_str!(concat!(
+pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/dynamic_grouped_conv.cu"
 ));
 
-/// Threads per block of every kernel (8 warps; `_delta` assigns one projection row per warp).
+/// Threads per block of every kernel.
 const THREADS: u32 = 256;
-const WARPS: usize = 8;
+/// Channels one `_apply` block covers (8 per thread).
+const APPLY_CHANNELS: usize = 8 * THREADS as usize;
 
 fn limit(param: &'static str, ok: bool, found: usize, expected: &str) -> Result<()> {
     if ok {
@@ -36,8 +37,7 @@ fn limit(param: &'static str, ok: bool, found: usize, expected: &str) -> Result<
     }
 }
 
-/// Launch limits of this implementation: grid extents and the dynamic shared memory
-/// (`cols` f32 in `_delta`, `2G = H / 8` f32 in `_prepare`) within 48 KiB.
+/// Launch limits of this implementation: grid extents.
 fn check_limits(p: &ConvParams) -> Result<()> {
     limit("rows", p.rows <= 65_535, p.rows, "at most 65535")?;
     limit("cols", p.cols <= 8192, p.cols, "at most 8192")?;
@@ -59,6 +59,8 @@ pub(super) fn prepare(
     w_delta: &Buffer<bf16>,
     prepared: &mut Buffer<bf16>,
     finish_delta: &mut Buffer<bf16>,
+    split: &mut Buffer<bf16>,
+    raw: &mut Buffer<f32>,
     p: &ConvParams,
 ) -> Result<()> {
     check_limits(p)?;
@@ -68,45 +70,64 @@ pub(super) fn prepare(
     }
     let g = p.groups();
     let (cols_i, hidden_i, eps) = (p.cols as i32, p.hidden as i32, p.eps);
-
-    let f = c.function(OP, SOURCE, "dynamic_grouped_conv_delta_kernel")?;
+    let inc = 2 * columns * 4 * g; // f32 increments before the inverse RMS words
+    {
+        let f = c.function(OP, SOURCE, "dynamic_grouped_conv_split_kernel")?;
+        let cfg = LaunchConfig {
+            grid_dim: (columns as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let raw_d = raw.device_mut(OP, "scratch.raw")?;
+        let mut inv = raw_d.slice_mut(inc..inc + columns);
+        let mut b = c.stream().launch_builder(&f);
+        b.arg(x.device(OP, "x")?);
+        b.arg(norm_w.device(OP, "norm_w")?);
+        b.arg(split.device_mut(OP, "scratch.split")?);
+        b.arg(&mut inv);
+        b.arg(&hidden_i);
+        b.arg(&eps);
+        // SAFETY: argument types and count match dynamic_grouped_conv_split_kernel; x has
+        // columns*H elements, split 2*columns*H, the inverse RMS view `columns` (checked by
+        // `prepare` through PrepareScratch::lens).
+        unsafe { b.launch(cfg) }
+            .map_err(cuda_err("launching dynamic_grouped_conv_split_kernel"))?;
+    }
+    {
+        let raw_d = raw.device_mut(OP, "scratch.raw")?;
+        let mut inc_view = raw_d.slice_mut(0..inc);
+        gemm_bf16_device(
+            c,
+            OP,
+            split.device(OP, "scratch.split")?,
+            w_delta.device(OP, "w_delta")?,
+            &mut inc_view,
+            &DeviceGemm::contiguous(2 * columns, 4 * g, p.hidden),
+        )?;
+    }
+    let f = c.function(OP, SOURCE, "dynamic_grouped_conv_apply_kernel")?;
     let cfg = LaunchConfig {
-        grid_dim: ((4 * g).div_ceil(WARPS) as u32, p.rows as u32, 1),
+        grid_dim: (columns as u32, p.hidden.div_ceil(APPLY_CHANNELS) as u32, 1),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: (p.cols * 4) as u32,
+        shared_mem_bytes: 0,
     };
-    let mut b = c.stream().launch_builder(&f);
-    b.arg(x.device(OP, "x")?);
-    b.arg(norm_w.device(OP, "norm_w")?);
-    b.arg(w_delta.device(OP, "w_delta")?);
-    b.arg(finish_delta.device_mut(OP, "finish_delta")?);
-    // The input-side delta goes to the scratch words at the head of each column's row of
-    // `prepared` (H / 8 f32 = H / 4 bf16 slots, inside the row).
-    b.arg(prepared.device_mut(OP, "prepared")?);
-    b.arg(&cols_i);
-    b.arg(&hidden_i);
-    b.arg(&eps);
-    // SAFETY: argument types and count match dynamic_grouped_conv_delta_kernel; lengths
-    // checked by `prepare`; dynamic shared memory holds `cols` f32.
-    unsafe { b.launch(cfg) }.map_err(cuda_err("launching dynamic_grouped_conv_delta_kernel"))?;
-
-    let f = c.function(OP, SOURCE, "dynamic_grouped_conv_prepare_kernel")?;
-    let cfg = LaunchConfig {
-        grid_dim: (columns as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: (2 * g * 4) as u32,
-    };
+    let raw_d = raw.device(OP, "scratch.raw")?;
+    let inc_view = raw_d.slice(0..inc);
+    let inv = raw_d.slice(inc..inc + columns);
     let mut b = c.stream().launch_builder(&f);
     b.arg(x.device(OP, "x")?);
     b.arg(norm_w.device(OP, "norm_w")?);
     b.arg(base.device(OP, "base")?);
+    b.arg(&inc_view);
+    b.arg(&inv);
     b.arg(prepared.device_mut(OP, "prepared")?);
+    b.arg(finish_delta.device_mut(OP, "finish_delta")?);
     b.arg(&cols_i);
     b.arg(&hidden_i);
-    b.arg(&eps);
-    // SAFETY: argument types and count match dynamic_grouped_conv_prepare_kernel; lengths
-    // checked by `prepare`; dynamic shared memory holds 2G f32.
-    unsafe { b.launch(cfg) }.map_err(cuda_err("launching dynamic_grouped_conv_prepare_kernel"))?;
+    // SAFETY: argument types and count match dynamic_grouped_conv_apply_kernel; lengths
+    // checked by `prepare`; the split kernel and the GEMM above wrote every increment and
+    // inverse RMS this kernel reads.
+    unsafe { b.launch(cfg) }.map_err(cuda_err("launching dynamic_grouped_conv_apply_kernel"))?;
     Ok(())
 }
 

@@ -31,22 +31,25 @@
 //!   is rounded, once.
 //! Accumulation. Implementation choice (the CUDA path uses f32 throughout); the oracle is
 //!   f64 from the represented inputs.
+//! CUDA. prepare is three launches: a split kernel (one block per column: the inverse RMS,
+//!   and each product `norm_w[c] * x[c]`, exact in f32, split into two BF16 terms hi + lo that
+//!   sum to it exactly), one cuBLAS GEMM of those `2 * columns` rows against `w_delta` (BF16
+//!   in, FP32 accumulate: the products enter unrounded), and an apply kernel (grid over
+//!   columns x 2048-channel chunks, 8 channels per thread) that scales the increments by the
+//!   inverse RMS and writes `prepared` and `finish_delta`. finish is one elementwise kernel.
 //! Masking. Column 0 of every row has no preceding tap (the `1{i >= 1}` terms vanish); every
 //!   column is computed (DFlash2 computes all W columns, live or not).
 //! Caller guarantees. group = 16 (the only width the spec defines; others are refused),
 //!   H a positive multiple of 16, eps finite and > 0, every length as above (all checked
 //!   before anything is written). Non-finite data propagate (not refused). Outputs never
 //!   alias inputs (enforced by borrowing).
-//! Writes. prepare: every element of `prepared` and `finish_delta`. On CUDA `prepared` also
-//!   serves as the scratch for the input-side delta between its two kernels (the first
-//!   `H / 8` f32 words of each column's own row of `prepared`, overwritten by the final value
-//!   in the same stream); when `prepare` returns, `prepared` holds only the contract's values.
-//!   finish: every element of `out`. Nothing else.
+//! Writes. prepare: every element of `prepared` and `finish_delta` (and, on CUDA, its
+//!   [`PrepareScratch`]). finish: every element of `out`. Nothing else.
 //! Comparison. prepared, finish_delta, out: close(abs 1e-4, rel 0, 1 bf16 ulp): the f32
 //!   device path may land on the other side of a BF16 rounding boundary than the oracle.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;
@@ -120,8 +123,47 @@ fn sizes(p: &ConvParams) -> Result<(usize, usize, usize)> {
     Ok((act, fd, wd))
 }
 
+/// Device scratch of [`prepare`] for one shape: the split normalized-input products
+/// `[2 * rows * cols, H]` BF16 and the projected increments `[2 * rows * cols, 4G]` plus one
+/// inverse RMS per column, F32. Allocated once (before a CUDA graph is captured); the CPU
+/// reference does not touch it.
+#[derive(Debug)]
+pub struct PrepareScratch {
+    split: Buffer<bf16>,
+    raw: Buffer<f32>,
+}
+
+impl PrepareScratch {
+    /// Scratch for `p` on `be`.
+    pub fn new(be: &Backend, p: &ConvParams) -> Result<Self> {
+        let (split, raw) = Self::lens(p)?;
+        Ok(PrepareScratch {
+            split: be.zeros(split)?,
+            raw: be.zeros(raw)?,
+        })
+    }
+
+    /// (split, raw) element counts for `p`.
+    fn lens(p: &ConvParams) -> Result<(usize, usize)> {
+        let (act, fd, _) = sizes(p)?;
+        let columns = p.rows * p.cols; // fits: checked by `sizes`
+        // raw: 2 * columns * 4G = 4 * fd f32, then the columns' inverse RMS.
+        let raw = fd
+            .checked_mul(4)
+            .and_then(|n| n.checked_add(columns))
+            .ok_or_else(|| OpsError::Param {
+                op: OP,
+                param: "rows * cols * hidden",
+                expected: "a scratch size that fits in usize".into(),
+                found: format!("{} * {} * {}", p.rows, p.cols, p.hidden),
+            })?;
+        Ok((2 * act, raw))
+    }
+}
+
 /// The input side: normalize `x`, project the dynamic increments, emit the convolved
 /// `prepared` input and the output side's `finish_delta` (see the module contract).
+/// `scratch` must have been made by [`PrepareScratch::new`] for a shape with the same sizes.
 pub fn prepare(
     be: &Backend,
     x: &Buffer<bf16>,
@@ -130,9 +172,17 @@ pub fn prepare(
     w_delta: &Buffer<bf16>,
     prepared: &mut Buffer<bf16>,
     finish_delta: &mut Buffer<bf16>,
+    scratch: &mut PrepareScratch,
     p: &ConvParams,
 ) -> Result<()> {
     let (act, fd, wd) = sizes(p)?;
+    let (split_len, raw_len) = PrepareScratch::lens(p)?;
+    check_len(OP, "scratch.split", scratch.split.len(), split_len, || {
+        "[2 * rows * cols, hidden] (PrepareScratch::new for this shape)".into()
+    })?;
+    check_len(OP, "scratch.raw", scratch.raw.len(), raw_len, || {
+        "[2 * rows * cols * 4G + rows * cols] (PrepareScratch::new for this shape)".into()
+    })?;
     let (r, w, h, g) = (p.rows, p.cols, p.hidden, p.groups());
     check_len(OP, "x", x.len(), act, || {
         format!("[rows={r}, cols={w}, hidden={h}]")
@@ -164,7 +214,18 @@ pub fn prepare(
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(c) => cuda::prepare(c, x, norm_w, base, w_delta, prepared, finish_delta, p),
+        Backend::Cuda(c) => cuda::prepare(
+            c,
+            x,
+            norm_w,
+            base,
+            w_delta,
+            prepared,
+            finish_delta,
+            &mut scratch.split,
+            &mut scratch.raw,
+            p,
+        ),
     }
 }
 
@@ -243,7 +304,18 @@ fn prepare_case(p: ConvParams, seed: u64) -> impl Fn(&Backend) -> Result<CaseRun
         let wd = inputs.upload(be, "w_delta", &d.w_delta)?;
         let mut prepared = be.filled(act, bf16::POISON)?;
         let mut fd = be.filled(fdn, bf16::POISON)?;
-        prepare(be, &x, &nw, &base, &wd, &mut prepared, &mut fd, &p)?;
+        let mut scratch = PrepareScratch::new(be, &p)?;
+        prepare(
+            be,
+            &x,
+            &nw,
+            &base,
+            &wd,
+            &mut prepared,
+            &mut fd,
+            &mut scratch,
+            &p,
+        )?;
         let mut modified = Vec::new();
         inputs.verify(be, "x", &x, &mut modified)?;
         inputs.verify(be, "norm_w", &nw, &mut modified)?;

@@ -29,7 +29,19 @@ fn run_prepare(x: &[bf16], w: &[bf16], base: &[bf16], wd: &[bf16], q: &ConvParam
         .filled(q.rows * q.cols * 2 * q.groups(), bf16::POISON)
         .expect("alloc");
     let up = |v: &[bf16]| be.upload(v).expect("upload");
-    prepare(&be, &up(x), &up(w), &up(base), &up(wd), &mut pr, &mut fd, q).expect("prepare");
+    let mut sc = PrepareScratch::new(&be, q).expect("scratch");
+    prepare(
+        &be,
+        &up(x),
+        &up(w),
+        &up(base),
+        &up(wd),
+        &mut pr,
+        &mut fd,
+        &mut sc,
+        q,
+    )
+    .expect("prepare");
     Prepared {
         prepared: be.download(&pr).expect("dl"),
         fd: be.download(&fd).expect("dl"),
@@ -343,8 +355,9 @@ fn bad_params_and_lengths_are_refused_without_writing() {
             "rows * cols * hidden",
         ),
     ];
+    let mut sc = PrepareScratch::new(&be, &q).expect("scratch");
     for (bq, name) in bad {
-        let e = prepare(&be, &x, &w, &base, &wd, &mut pr, &mut fd, &bq).expect_err(name);
+        let e = prepare(&be, &x, &w, &base, &wd, &mut pr, &mut fd, &mut sc, &bq).expect_err(name);
         assert!(
             matches!(e, OpsError::Param { param, .. } if param == name),
             "{e}"
@@ -356,7 +369,8 @@ fn bad_params_and_lengths_are_refused_without_writing() {
         );
     }
     let short = up(&d.w_delta[1..]);
-    let e = prepare(&be, &x, &w, &base, &short, &mut pr, &mut fd, &q).expect_err("w_delta");
+    let e =
+        prepare(&be, &x, &w, &base, &short, &mut pr, &mut fd, &mut sc, &q).expect_err("w_delta");
     assert!(
         matches!(
             e,
@@ -368,7 +382,7 @@ fn bad_params_and_lengths_are_refused_without_writing() {
         ),
         "{e}"
     );
-    let e = prepare(&be, &x, &w, &wd, &wd, &mut pr, &mut fd, &q).expect_err("base");
+    let e = prepare(&be, &x, &w, &wd, &wd, &mut pr, &mut fd, &mut sc, &q).expect_err("base");
     assert!(
         matches!(
             e,
@@ -381,7 +395,7 @@ fn bad_params_and_lengths_are_refused_without_writing() {
         "{e}"
     );
     let mut fd_long = be.filled(9, bf16::POISON).expect("alloc");
-    let e = prepare(&be, &x, &w, &base, &wd, &mut pr, &mut fd_long, &q).expect_err("fd");
+    let e = prepare(&be, &x, &w, &base, &wd, &mut pr, &mut fd_long, &mut sc, &q).expect_err("fd");
     assert!(
         matches!(
             e,
@@ -399,6 +413,27 @@ fn bad_params_and_lengths_are_refused_without_writing() {
             e,
             OpsError::Length {
                 tensor: "residual",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // A scratch planned for another shape is refused.
+    let mut other = PrepareScratch::new(
+        &be,
+        &ConvParams {
+            cols: q.cols + 1,
+            ..q
+        },
+    )
+    .expect("scratch");
+    let e =
+        prepare(&be, &x, &w, &base, &wd, &mut pr, &mut fd, &mut other, &q).expect_err("scratch");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "scratch.split",
                 ..
             }
         ),

@@ -7,7 +7,7 @@ use crate::{Buffer, OpsError, Result, bf16};
 
 use super::OP;
 
-const SOURCE: &str = include_str!(concat!(
+pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/embedding_gather.cu"
 ));

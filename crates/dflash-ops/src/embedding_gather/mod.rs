@@ -17,7 +17,7 @@
 //! Comparison. out: exact (bit-identical).
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;

@@ -89,7 +89,7 @@ pub(crate) fn matmul_f64_threads(
 }
 
 /// F32 output: the f64 sum rounded once to f32 (RNE).
-pub(super) fn run_f32(a: &[bf16], w: &[bf16], out: &mut [f32], m: usize, n: usize, k: usize) {
+pub(crate) fn run_f32(a: &[bf16], w: &[bf16], out: &mut [f32], m: usize, n: usize, k: usize) {
     let c = matmul_f64(a, w, m, n, k);
     for (o, v) in out.iter_mut().zip(c) {
         *o = v as f32;

@@ -8,7 +8,7 @@ use crate::{Buffer, OpsError, Result};
 
 use super::{HeadNormRopeParams, OP};
 
-const SOURCE: &str = include_str!(concat!(
+pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/head_norm_rope.cu"
 ));

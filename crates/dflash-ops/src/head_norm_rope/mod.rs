@@ -32,7 +32,7 @@
 //!   floor admits one rounding flip.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 pub(crate) mod reference;
 #[cfg(test)]
 mod tests;

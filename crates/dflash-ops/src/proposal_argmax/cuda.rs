@@ -1,58 +1,68 @@
-//! CUDA launcher of `proposal_argmax` (kernels/proposal_argmax.cu): one block per column.
+//! CUDA launcher of `proposal_argmax`: the fused head GEMM with the argmax epilogue
+//! (kernels/proposal_argmax.cu, launched through [`super::head::cuda::launch_gemm`]), then
+//! the merge of the per-block partials.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
 
+use super::head::{self, cuda::launch_gemm};
+use super::{OP, Params};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::{Buffer, Result};
 
-use super::{OP, Params, ProposalHead};
-
-const SOURCE: &str = include_str!(concat!(
+/// Source of the fused head GEMM driver and the argmax epilogue and merge.
+pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/proposal_argmax.cu"
 ));
 
-/// Threads per block (16 warps; a multiple of 32, as the kernel's reduction requires).
-const THREADS: u32 = 512;
+/// Dynamic shared memory of `proposal_argmax_gemm_nt{nt}`: the pipeline plus the epilogue's
+/// warp bests and running bests (`PhArgmax<NT>::SMEM_BYTES`).
+pub(crate) fn smem_bytes(nt: usize) -> usize {
+    head::pipe_bytes(nt) + 5 * 8 * nt * 8
+}
 
-/// Shapes were validated by `super::run` (n >= 1, rows and public_vocab fit in i32).
+/// Shapes were validated by `super::run` (n >= 1).
 pub(super) fn run(
     c: &CudaBackend,
-    logits: &Buffer<f32>,
+    hidden: &Buffer<bf16>,
+    head_w: &Buffer<bf16>,
     token_ids: Option<&Buffer<i32>>,
     ids: &mut Buffer<i32>,
+    workspace: &mut Buffer<f32>,
     p: &Params,
 ) -> Result<()> {
+    let blocks = launch_gemm(
+        c,
+        OP,
+        SOURCE,
+        [
+            "proposal_argmax_gemm_nt1",
+            "proposal_argmax_gemm_nt2",
+            "proposal_argmax_gemm_nt4",
+            "proposal_argmax_gemm_nt8",
+            "proposal_argmax_gemm_nt16",
+        ],
+        smem_bytes,
+        hidden,
+        head_w,
+        token_ids,
+        workspace,
+        p,
+    )?;
+    let f = c.function(OP, SOURCE, "proposal_argmax_merge")?;
     let cfg = LaunchConfig {
         grid_dim: (p.n as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let rows = p.rows as i32;
-    let public_vocab = p.public_vocab as i32;
-    match (p.head, token_ids) {
-        (ProposalHead::Indexed, Some(t)) => {
-            let f = c.function(OP, SOURCE, "proposal_argmax_indexed")?;
-            let mut b = c.stream().launch_builder(&f);
-            b.arg(logits.device(OP, "logits")?);
-            b.arg(t.device(OP, "token_ids")?);
-            b.arg(ids.device_mut(OP, "ids")?);
-            b.arg(&rows);
-            // SAFETY: argument types and order match proposal_argmax_indexed; logits has
-            // n*rows elements, token_ids rows, ids n (checked by `super::run`).
-            unsafe { b.launch(cfg) }.map_err(cuda_err("launching proposal_argmax_indexed"))?;
-        }
-        _ => {
-            let f = c.function(OP, SOURCE, "proposal_argmax_full")?;
-            let mut b = c.stream().launch_builder(&f);
-            b.arg(logits.device(OP, "logits")?);
-            b.arg(ids.device_mut(OP, "ids")?);
-            b.arg(&rows);
-            b.arg(&public_vocab);
-            // SAFETY: argument types and order match proposal_argmax_full; logits has n*rows
-            // elements, ids n, public_vocab <= rows (checked by `super::run`).
-            unsafe { b.launch(cfg) }.map_err(cuda_err("launching proposal_argmax_full"))?;
-        }
-    }
+    let parts = blocks as i32;
+    let mut b = c.stream().launch_builder(&f);
+    b.arg(workspace.device(OP, "workspace")?);
+    b.arg(ids.device_mut(OP, "ids")?);
+    b.arg(&parts);
+    // SAFETY: argument types and order match proposal_argmax_merge; the GEMM above wrote
+    // `blocks` partials for each of the n columns; ids has n elements.
+    unsafe { b.launch(cfg) }.map_err(cuda_err("launching proposal_argmax_merge"))?;
     Ok(())
 }

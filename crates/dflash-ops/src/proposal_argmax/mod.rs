@@ -1,39 +1,60 @@
-//! Proposal argmax: the DFlash proposal head's decision, one global token id per mask column.
+//! Proposal argmax: the DFlash proposal head fused with its decision, one global token id per
+//! mask column; the `[n, rows]` logits are never stored.
 //!
-//! The caller computes the head logits with a GEMM (mask hidden `[n, H]` times the head
-//! `[rows, H]^T`); this op takes those F32 logits as given and decides exactly from the
-//! represented values.
+//! Semantics. For each column `i < n` and head row `k < rows`, the logit is
+//!   `l[i, k] = sum_h hidden[i, h] * head[k, h]` over the represented BF16 values.
+//! - Full head ([`ProposalHead::Full`], the Text head `[V_rows, H]`): `ids[i] = argmax_{k <
+//!   public_vocab} l[i, k]`. Rows `public_vocab..rows` (the padded, never-real tail) are never
+//!   proposed, whatever they hold.
+//! - Indexed head ([`ProposalHead::Indexed`], a shortlist gathered from the Text head): every
+//!   shortlist row `k < rows` stands for the global id `token_ids[k]`; `ids[i] =
+//!   token_ids[argmax_k l[i, k]]`.
 //!
-//! Semantics. For each column `i < n`, with `l = logits[i, ..]`:
-//! - Full head ([`ProposalHead::Full`]): `ids[i] = argmax_{v < public_vocab} l[v]`. Rows
-//!   `public_vocab..rows` (the padded, never-real tail of the Text head) are never proposed,
-//!   whatever they hold.
-//! - Indexed head ([`ProposalHead::Indexed`], a shortlist gathered from the Text head):
-//!   every shortlist row `k < rows` stands for the global id `token_ids[k]`;
-//!   `ids[i] = token_ids[argmax_k l[k]]`.
+//! Shapes. hidden: `[n, H]` BF16 (the final-normed mask columns); head: `[rows, H]` BF16
+//!   (row-major, the checkpoint's `[out, in]`); token_ids: `[rows]` I32 (indexed head only);
+//!   ids: `[n]` I32 (global token ids); workspace: at least [`workspace_len`] f32.
+//! Dtypes and rounding points. The logit is an FP32 value: the CPU reference rounds the f64 dot
+//!   product once to f32; CUDA accumulates it in FP32 (tensor cores). The decision compares
+//!   those FP32 values; nothing else is rounded.
+//! Tie-breaking. Exact ties (`==` in FP32) go to the LOWER GLOBAL id (for the indexed head the
+//!   lower `token_ids[k]`, not the lower shortlist row). The order is total, so the result does
+//!   not depend on the reduction order.
+//! Non-finite values. Only non-finite inputs make non-finite logits. NaN: the CPU refuses a
+//!   column whose candidate logits contain NaN ([`OpsError::Value`] on `hidden`, index = the
+//!   column; NaN in the ignored tail of a full head is allowed); CUDA, which never reads data
+//!   back, ranks a NaN logit as `-inf`. `+-inf` are ordinary values.
+//! Caller guarantees. `H` a multiple of 8 in `8..=65536`. Indexed: `token_ids` unique, each in
+//!   `0..public_vocab` (checked on the CPU; on CUDA the ids are only copied to the output,
+//!   never used as addresses). `public_vocab` is a per-deployment launch scalar.
+//! Writes. Exactly `ids[0..n]`; on CUDA also the first [`workspace_len`] elements of
+//!   `workspace` (scratch, contents unspecified afterwards; the CPU does not touch it). Inputs
+//!   are never written.
+//! Accumulation. Implementation choice (FP32); the oracle is f64 from the represented inputs.
+//! Comparison. ids: exact. The conformance cases use inputs whose logits are exact in FP32 for
+//!   any summation order (every product a multiple of 2^-8 of magnitude <= 1 and H <= 5120,
+//!   so every partial sum needs at most 21 significant bits), so every decision, tie-breaks
+//!   included, is compared exactly; real-valued inputs are covered by the whole-draft-block
+//!   cases.
 //!
-//! Shapes. logits: `[n, rows]` F32 row-major; token_ids: `[rows]` I32 (indexed head only);
-//!   ids: `[n]` I32 (global token ids).
-//! Dtypes. F32 in, I32 out. No rounding: the decision compares represented F32 values.
-//! Tie-breaking. Exact ties (`==` in F32, so `-0.0 == +0.0`) go to the LOWER GLOBAL id (for
-//!   the indexed head this is the lower `token_ids[k]`, not the lower shortlist row). The
-//!   order is total, so the result does not depend on the reduction order.
-//! Non-finite values. `+inf` and `-inf` are ordinary values (a row of `-inf` yields the lowest
-//!   considered id). NaN: the CPU refuses a NaN in a considered logit with
-//!   [`OpsError::Value`] (NaN in the ignored tail `public_vocab..rows` of a full head is
-//!   allowed); the CUDA path, which never reads data back, treats a NaN logit as `-inf`.
-//! Caller guarantees. Indexed: `token_ids` unique, each in `0..public_vocab` (checked on the
-//!   CPU; on CUDA the ids are only copied to the output, never used as addresses).
-//!   `public_vocab` is a per-deployment launch scalar (static shape), not per-round data.
-//! Writes. Exactly `ids[0..n]`; logits and token_ids are never written.
-//! Accumulation. None (comparisons only).
-//! Comparison. ids: exact.
+//! CUDA (kernels/proposal_argmax.cu, whose GEMM driver `unary_topk` shares; see
+//! [`head`]). Fused head GEMM: the head's rows are streamed once; each of P <= 1024 blocks
+//! (as many as are resident on the device) owns an equal contiguous range of rows (a multiple
+//! of 16) and walks it in tiles of 128 rows x up to 128 columns (mma.m16n8k16, BF16 in, FP32
+//! accumulate, a 3-stage cp.async pipeline over 64-wide K chunks that runs across tiles).
+//! After each tile the block folds the tile's logits into a running best per column in shared
+//! memory (warp shuffles, then the four warps); at the end it writes one (value, id) partial
+//! per column, and a merge kernel (one block per column) picks the best of the P partials.
+//! Columns beyond 128 (or beyond what the device's shared memory allows) use more column
+//! chunks, each streaming the head again.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
+pub mod head;
 mod reference;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
+
+use half::bf16;
 
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
 use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
@@ -53,14 +74,17 @@ pub enum ProposalHead {
     Indexed,
 }
 
-/// Parameters of [`run`] (static shapes: launch scalars on CUDA).
+/// Parameters of [`run`] and of [`crate::unary_topk::run`] (static shapes: launch scalars on
+/// CUDA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Params {
-    /// Number of logit columns (mask columns over the batch); 0 is a no-op.
+    /// Number of columns (mask columns over the batch); 0 is a no-op.
     pub n: usize,
-    /// Logit rows per column: the head's row count (`V_rows`, e.g. 248320 for the Text head
-    /// or 131072 for a shortlist).
+    /// The head's row count (`V_rows`, e.g. 248320 for the Text head or 131072 for a
+    /// shortlist).
     pub rows: usize,
+    /// The hidden width H (a multiple of 8).
+    pub hidden: usize,
     /// The public vocabulary size (248077 for Qwen3.5): full-head candidates are rows
     /// `0..public_vocab`; indexed-head ids must lie below it. `1 <= public_vocab`, and
     /// `public_vocab <= rows` for the full head.
@@ -163,112 +187,47 @@ pub(crate) fn validate_token_ids(
     Ok(())
 }
 
-/// CPU check that no considered logit is NaN (the first offending flat index is reported).
-pub(crate) fn validate_logits(
-    op: &'static str,
-    logits: &[f32],
-    rows: usize,
-    considered: usize,
-) -> Result<()> {
-    for (i, row) in logits.chunks_exact(rows).enumerate() {
-        if let Some(v) = row[..considered].iter().position(|x| x.is_nan()) {
-            return Err(OpsError::Value {
-                op,
-                tensor: "logits",
-                index: i * rows + v,
-                expected: "a non-NaN logit".into(),
-                found: "NaN".into(),
-            });
-        }
-    }
-    Ok(())
+/// f32 elements the `workspace` of [`run`] must have at least: `n * 1024 * 2` (one
+/// (value, id) partial per column for each of at most 1024 GEMM blocks).
+pub fn workspace_len(p: &Params) -> usize {
+    head::workspace_len(p, 1)
 }
 
-/// Validated CPU inputs of a proposal head (see [`host_head_inputs`]).
-pub(crate) struct HostHead<'a> {
-    /// The logits `[n, rows]`.
-    pub(crate) logits: &'a [f32],
-    /// The indexed head's row -> global id map.
-    pub(crate) map: Option<&'a [i32]>,
-    /// Candidate rows per column (a prefix of each column).
-    pub(crate) considered: usize,
-}
-
-/// The CPU view of a head's inputs, validated: the logits, the indexed head's id map (checked
-/// unique and public), and how many leading rows of each column are candidates (the public
-/// rows of a full head, every shortlist row of an indexed head), with no NaN among them.
-pub(crate) fn host_head_inputs<'a>(
-    op: &'static str,
-    logits: &'a Buffer<f32>,
-    token_ids: Option<&'a Buffer<i32>>,
-    rows: usize,
-    public_vocab: usize,
-    head: ProposalHead,
-) -> Result<HostHead<'a>> {
-    let l = logits.host(op, "logits")?;
-    let map = match token_ids {
-        Some(t) => {
-            let t = t.host(op, "token_ids")?;
-            validate_token_ids(op, t, public_vocab)?;
-            Some(t)
-        }
-        None => None,
-    };
-    let considered = match head {
-        ProposalHead::Full => public_vocab,
-        ProposalHead::Indexed => rows,
-    };
-    validate_logits(op, l, rows, considered)?;
-    Ok(HostHead {
-        logits: l,
-        map,
-        considered,
-    })
-}
-
-/// Pick, for each of `n` logit columns, the best candidate's global id (see the module
-/// contract). `token_ids` is `None` for [`ProposalHead::Full`] and the `[rows]` map for
+/// Pick, for each of `n` columns, the best candidate's global id (see the module contract).
+/// `token_ids` is `None` for [`ProposalHead::Full`] and the `[rows]` map for
 /// [`ProposalHead::Indexed`]. A refused call leaves `ids` untouched.
 pub fn run(
     be: &Backend,
-    logits: &Buffer<f32>,
+    hidden: &Buffer<bf16>,
+    head_w: &Buffer<bf16>,
     token_ids: Option<&Buffer<i32>>,
     ids: &mut Buffer<i32>,
+    workspace: &mut Buffer<f32>,
     params: &Params,
 ) -> Result<()> {
-    let Params {
-        n,
-        rows,
-        public_vocab,
-        head,
-    } = *params;
-    check_head_params(OP, rows, public_vocab, head, token_ids, 1)?;
-    let total = n.checked_mul(rows).ok_or_else(|| OpsError::Param {
-        op: OP,
-        param: "n",
-        expected: "n * rows to fit in usize".into(),
-        found: n.to_string(),
-    })?;
-    check_len(OP, "logits", logits.len(), total, || {
-        format!("[n={n}, rows={rows}]")
-    })?;
+    head::check(OP, params, hidden, head_w, token_ids, 1)?;
+    let n = params.n;
     check_len(OP, "ids", ids.len(), n, || format!("[n={n}]"))?;
-    check_param(OP, "n", n <= i32::MAX as usize, n, || "<= 2^31-1".into())?;
+    head::check_workspace(OP, params, 1, workspace)?;
     if n == 0 {
         return Ok(());
     }
     match be {
         Backend::Cpu => {
-            let HostHead {
-                logits: l,
-                map,
-                considered,
-            } = host_head_inputs(OP, logits, token_ids, rows, public_vocab, head)?;
-            reference::run(l, map, ids.host_mut(OP, "ids")?, rows, considered);
+            let h = head::host_logits(OP, params, hidden, head_w, token_ids)?;
+            // The workspace must still live on this backend.
+            workspace.host(OP, "workspace")?;
+            reference::run(
+                &h.logits,
+                h.map,
+                ids.host_mut(OP, "ids")?,
+                params.rows,
+                h.considered,
+            );
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(c) => cuda::run(c, logits, token_ids, ids, params),
+        Backend::Cuda(c) => cuda::run(c, hidden, head_w, token_ids, ids, workspace, params),
     }
 }
 
@@ -316,85 +275,96 @@ pub(crate) const OFFICIAL_PUBLIC: usize = 248_077;
 /// Official shortlist rows of the indexed head.
 pub(crate) const OFFICIAL_SHORTLIST: usize = 131_072;
 
-/// Logits with planted decisions for the conformance cases.
-///
-/// Values are multiples of 1/16 in [-8, 8) (so natural ties are common). Row `i` gets a
-/// planted maximum `M = 20 + i/8`: for `i % 3 == 0` a unique one, for `i % 3 != 0` two equal
-/// maxima; for `i % 3 == 2` on an indexed head the later shortlist row of the pair has the
-/// lower global id. A full head also gets a larger value `M + 100` in the ignored tail
-/// `public_vocab..rows` of every row. Needs at least 2 candidates.
-pub(crate) fn planted_logits(
+/// Conformance inputs of a head case whose logits are exact in FP32 for any summation order
+/// (see the module contract): hidden `[n, H]` and head `[rows, H]` with entries that are
+/// multiples of 1/8 in [-1, 1], plus planted rows per column: twins (equal content, hence
+/// exactly tied logits in every column) at three levels, `hidden[i]`, `hidden[i] / 2` and
+/// `hidden[i] / 4` (multiples of 1/32), whose logits dominate every random row. A full head
+/// also gets a row `2 * hidden[i]` (clipped to [-1, 1]) in the ignored tail for each column.
+/// With `coarse`, every random entry is -1/2, 0 or 1/2, so random logits are multiples of
+/// 1/4 and the random rows among a top-16 tie often too.
+pub(crate) fn exact_head_inputs(
     mix: &mut Mix,
     n: usize,
     rows: usize,
+    hidden: usize,
     public_vocab: usize,
-    token_ids: Option<&[i32]>,
-) -> Vec<f32> {
-    let mut l: Vec<f32> = (0..n * rows)
-        .map(|_| (mix.below(256) as f32 - 128.0) / 16.0)
-        .collect();
-    let considered = if token_ids.is_some() {
-        rows
-    } else {
-        public_vocab
+    head: ProposalHead,
+    coarse: bool,
+) -> (Vec<bf16>, Vec<bf16>) {
+    let entry = |mix: &mut Mix| -> bf16 {
+        bf16::from_f32(if coarse {
+            (mix.below(3) as f32 - 1.0) / 2.0
+        } else {
+            (mix.below(17) as f32 - 8.0) / 8.0
+        })
     };
+    let x: Vec<bf16> = (0..n * hidden).map(|_| entry(mix)).collect();
+    let mut w: Vec<bf16> = (0..rows * hidden).map(|_| entry(mix)).collect();
+    let candidates = match head {
+        ProposalHead::Full => public_vocab,
+        ProposalHead::Indexed => rows,
+    };
+    // Six distinct candidate rows per column (as long as there are enough rows).
+    let mut planted = mix.distinct_shuffled(candidates, (6 * n).min(candidates));
+    planted.reverse();
     for i in 0..n {
-        let row = &mut l[i * rows..(i + 1) * rows];
-        let m = 20.0 + (i / 8) as f32;
-        let a = mix.below(considered);
-        let mut b = (a + 1 + mix.below(considered - 1)) % considered;
-        if let (Some(t), 2) = (token_ids, i % 3) {
-            // Redraw until the later shortlist row has the lower global id (half of all
-            // pairs qualify; the loop is bounded for safety).
-            for _ in 0..1000 {
-                if (a < b) == (t[a] > t[b]) {
-                    break;
-                }
-                b = (a + 1 + mix.below(considered - 1)) % considered;
+        let xi = &x[i * hidden..(i + 1) * hidden];
+        for (j, scale) in [1.0f32, 1.0, 0.5, 0.5, 0.25, 0.25].into_iter().enumerate() {
+            let Some(&row) = planted.get(6 * i + j) else {
+                break;
+            };
+            let row = row as usize;
+            for (dst, v) in w[row * hidden..(row + 1) * hidden].iter_mut().zip(xi) {
+                *dst = bf16::from_f32(v.to_f32() * scale);
             }
         }
-        row[a] = m;
-        if i % 3 != 0 {
-            row[b] = m;
-        }
-        if token_ids.is_none() && public_vocab < rows {
-            let t = public_vocab + mix.below(rows - public_vocab);
-            row[t] = m + 100.0;
+        if head == ProposalHead::Full && public_vocab < rows {
+            let row = public_vocab + mix.below(rows - public_vocab);
+            for (dst, v) in w[row * hidden..(row + 1) * hidden].iter_mut().zip(xi) {
+                *dst = bf16::from_f32((2.0 * v.to_f32()).clamp(-1.0, 1.0));
+            }
         }
     }
-    l
+    (x, w)
 }
 
 fn case(
     n: usize,
     rows: usize,
+    hidden: usize,
     public_vocab: usize,
-    head: ProposalHead,
+    kind: ProposalHead,
+    coarse: bool,
     seed: u64,
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let mut mix = Mix(seed);
-        let map = match head {
+        let map = match kind {
             ProposalHead::Full => None,
             ProposalHead::Indexed => Some(mix.distinct_shuffled(public_vocab, rows)),
         };
-        let logits = planted_logits(&mut mix, n, rows, public_vocab, map.as_deref());
+        let (x, w) = exact_head_inputs(&mut mix, n, rows, hidden, public_vocab, kind, coarse);
         let mut inputs = InputCheck::default();
-        let l = inputs.upload(be, "logits", &logits)?;
+        let hx = inputs.upload(be, "hidden", &x)?;
+        let hw = inputs.upload(be, "head", &w)?;
         let t = match &map {
             Some(m) => Some(inputs.upload(be, "token_ids", m)?),
             None => None,
         };
-        let mut ids = be.filled(n, i32::POISON)?;
         let params = Params {
             n,
             rows,
+            hidden,
             public_vocab,
-            head,
+            head: kind,
         };
-        run(be, &l, t.as_ref(), &mut ids, &params)?;
+        let mut ids = be.filled(n, i32::POISON)?;
+        let mut ws = be.filled(workspace_len(&params), f32::POISON)?;
+        run(be, &hx, &hw, t.as_ref(), &mut ids, &mut ws, &params)?;
         let mut modified = Vec::new();
-        inputs.verify(be, "logits", &l, &mut modified)?;
+        inputs.verify(be, "hidden", &hx, &mut modified)?;
+        inputs.verify(be, "head", &hw, &mut modified)?;
         if let Some(t) = &t {
             inputs.verify(be, "token_ids", t, &mut modified)?;
         }
@@ -413,46 +383,70 @@ fn case(
     }
 }
 
-/// Conformance cases: the official Text head (248320 rows, 248077 public) at 1, 15 and 120
-/// columns, the official 131072-row shortlist with a shuffled map, and small odd shapes.
+/// Official 35B-A3B hidden width (the DFlash head).
+pub(crate) const OFFICIAL_HIDDEN_35B: usize = 2048;
+/// Official 27B hidden width (the DFlash2 head).
+pub(crate) const OFFICIAL_HIDDEN_27B: usize = 5120;
+
+/// Conformance cases: the official Text head (248320 rows, 248077 public) at 1, 7, 15 and
+/// 120 columns (every column tiling of the CUDA kernel), the official 131072-row shortlist
+/// with a shuffled map, coarse fills with many ties, and small odd shapes (fewer rows than one
+/// tile, a hidden width that is not a multiple of the K chunk).
 pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
+    let (v, pv, sl) = (OFFICIAL_ROWS, OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);
+    let h35 = OFFICIAL_HIDDEN_35B;
     vec![
         Case::new(
             OP,
-            "full_small_rows_37_public_29_n9",
-            case(9, 37, 29, Full, 1),
+            "full_small_rows_37_public_29_h24_n9",
+            case(9, 37, 24, 29, Full, false, 1),
         ),
         Case::new(
             OP,
-            "indexed_small_rows_40_public_97_n9",
-            case(9, 40, 97, Indexed, 2),
+            "indexed_small_rows_300_public_997_h72_n3_coarse",
+            case(3, 300, 72, 997, Indexed, true, 2),
         ),
         Case::new(
             OP,
-            "full_official_n1",
-            case(1, OFFICIAL_ROWS, OFFICIAL_PUBLIC, Full, 3),
-        ),
-        Case::new(
-            OP,
-            "full_official_n15",
-            case(15, OFFICIAL_ROWS, OFFICIAL_PUBLIC, Full, 4),
-        ),
-        Case::new(
-            OP,
-            "full_official_n120",
-            case(120, OFFICIAL_ROWS, OFFICIAL_PUBLIC, Full, 5),
+            "full_official_h2048_n1",
+            case(1, v, h35, pv, Full, false, 3),
         )
         .heavy(),
         Case::new(
             OP,
-            "indexed_official_shortlist_n15",
-            case(15, OFFICIAL_SHORTLIST, OFFICIAL_PUBLIC, Indexed, 6),
-        ),
+            "full_official_h2048_n7",
+            case(7, v, h35, pv, Full, false, 4),
+        )
+        .heavy(),
         Case::new(
             OP,
-            "indexed_official_shortlist_n120",
-            case(120, OFFICIAL_SHORTLIST, OFFICIAL_PUBLIC, Indexed, 7),
+            "full_official_h2048_n15_coarse",
+            case(15, v, h35, pv, Full, true, 5),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "full_official_h2048_n120",
+            case(120, v, h35, pv, Full, false, 6),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "full_official_h5120_n7",
+            case(7, v, OFFICIAL_HIDDEN_27B, pv, Full, false, 7),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "indexed_official_shortlist_h2048_n15",
+            case(15, sl, h35, pv, Indexed, false, 8),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "indexed_official_shortlist_h2048_n40_coarse",
+            case(40, sl, h35, pv, Indexed, true, 9),
         )
         .heavy(),
     ]

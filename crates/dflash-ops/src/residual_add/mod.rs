@@ -22,7 +22,7 @@
 //! Comparison. out: exact (bit-identical), inputs unchanged.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;

@@ -8,7 +8,7 @@ use crate::{Element, OpsError, Result};
 
 use super::OP;
 
-const SOURCE: &str = include_str!(concat!(
+pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/rms_norm.cu"
 ));

@@ -16,7 +16,7 @@
 //! Comparison. words: exact; uniforms: exact.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;

@@ -42,20 +42,17 @@
 //! Comparison. out: close (abs 1e-4, 2 bf16 ulps); dead columns: exact +0.0 bits.
 //! ```
 //!
-//! CUDA. The split-KV kernels of [`crate::softmax_attention`] with the ring as context map:
-//! grid (splits, Hkv, rows), each block covering one chunk of the row's key list
-//! (context positions [max(0, F - S + 1), F), then the live block columns) for every live
-//! column and every query head of its KV group; the merge writes the output and dead zeros.
-//! The split count is static ([`split_count`]).
-//!
-//! Performance: the kernels use FP32 CUDA cores (a warp-wide shuffle reduction per key and
-//! head), not tensor cores; the split count keeps every SM busy at small batch.
+//! CUDA. The kernel body and launcher of [`crate::softmax_attention`] (see its CUDA section:
+//! GQA-packed 64-row query tiles, cp.async K/V tiles, tensor-core Q K^T and P V, split-KV over
+//! the visible key range, exact merge) with the ring as context map: a row's key list is the
+//! context positions `[max(0, F - S + 1), F)` (the union of what its columns see; each column's
+//! own window is applied per key), then its live block columns.
 //!
 //! Shared math: [`crate::softmax_attention`] evaluates the same per-row helper.
 //! Sizes: [`workspace_len`], [`split_count`].
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;
@@ -105,14 +102,15 @@ impl LocalAttentionParams {
     }
 }
 
-/// The static split count of the CUDA kernels for `p` (depends on shapes only).
+/// The most splits the CUDA kernels launch for `p` (depends on shapes only; bounds the
+/// workspace): `clamp(ceil((S - 1 + cols) / 64), 1, 32)`.
 pub fn split_count(p: &LocalAttentionParams) -> usize {
-    attend::split_count(p.key_capacity())
+    attend::split_count(&p.geometry(), p.key_capacity())
 }
 
 /// f32 elements the `workspace` of [`run`] must have at least:
-/// `rows * cols * q_heads * split_count(p) * (head_dim + 2)` (saturating for nonsense shapes,
-/// which [`run`] refuses anyway).
+/// `rows * cols * q_heads * split_count(p) * (head_dim + 2) + rows` (saturating for nonsense
+/// shapes, which [`run`] refuses anyway).
 pub fn workspace_len(p: &LocalAttentionParams) -> usize {
     attend::workspace_len(&p.geometry(), p.key_capacity())
 }
@@ -359,6 +357,45 @@ pub(crate) fn cases() -> Vec<Case> {
             case(official(4096, 2, mixed2, 26)),
         )
         .heavy(),
+        // Benchmark shapes: frontier below S; a window shorter than the key range (S = 2048
+        // at F = 4096); eight requests with unequal frontiers and dead columns; W > S.
+        Case::new(
+            OP,
+            "official35b_s4096_rows1_k7_f2048",
+            case(official(4096, 8, vec![(2048, 8)], 29)),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "official27b_s2048_rows1_k15_f4096",
+            case(official(2048, 16, vec![(4096, 16)], 30)),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "official27b_s2048_rows8_k15_unequal_dead",
+            case(official(
+                2048,
+                16,
+                vec![
+                    (4096, 16),
+                    (1, 16),
+                    (2047, 3),
+                    (2048, 16),
+                    (3000, 9),
+                    (64, 1),
+                    (65, 16),
+                    (9999, 12),
+                ],
+                31,
+            )),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "official_heads_s12_cols16_window_below_width",
+            case(official(12, 16, vec![(100, 16), (5, 16), (11, 7)], 32)),
+        ),
         Case::new(
             OP,
             "official27b_s2048_rows4_k7",

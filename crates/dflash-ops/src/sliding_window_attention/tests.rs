@@ -419,10 +419,14 @@ fn full_left_context_column_i_sees_s_minus_1_minus_i_positions() {
 #[test]
 fn workspace_size_and_split_count_are_static() {
     let p = params(8, 16, 32, 8, 128, 9, 4096);
-    assert_eq!(split_count(&p), 17); // ceil((4095 + 16) / 256)
-    assert_eq!(workspace_len(&p), 8 * 16 * 32 * 17 * 130);
-    let p27 = params(8, 16, 32, 8, 128, 9, 2048);
-    assert_eq!(split_count(&p27), 9); // ceil((2047 + 16) / 256)
+    // min(ceil((4095 + 16) / 64), 512 / (8 rows * 8 KV heads)) = 8
+    assert_eq!(split_count(&p), 8);
+    // partials of 8 splits, then one active-split count per row
+    assert_eq!(workspace_len(&p), 8 * 16 * 32 * 8 * 130 + 8);
+    assert_eq!(split_count(&params(1, 16, 32, 8, 128, 2, 4096)), 64); // ceil(4111 / 64) = 65
+    let small = params(1, 2, 2, 1, 8, 2, 40);
+    assert_eq!(split_count(&small), 1); // ceil((39 + 2) / 64)
+    assert_eq!(workspace_len(&small), 2 * 2 * 10 + 1);
 }
 
 #[test]
@@ -596,7 +600,7 @@ proptest! {
 
 /// The f32 port of the CUDA split/merge (with the ring's key list starting at
 /// max(0, F - S + 1)) agrees with the reference within the conformance criterion.
-fn assert_port_matches(fx: &Fx, splits: usize) {
+fn assert_port_matches(fx: &Fx, splits: usize, kt: usize) {
     let g = fx.p.geometry();
     let s = fx.p.window as i64;
     let x = attend::Inputs {
@@ -612,6 +616,7 @@ fn assert_port_matches(fx: &Fx, splits: usize) {
         &g,
         s,
         splits,
+        kt,
         &x,
         |r| {
             let f = i64::from(fx.start_pos[r]).max(0);
@@ -629,7 +634,7 @@ fn assert_port_matches(fx: &Fx, splits: usize) {
                 r.bits(),
                 e.bits()
             ),
-            "splits {splits} element {k}: port {e} vs reference {r}"
+            "splits {splits} kt {kt} element {k}: port {e} vs reference {r}"
         );
         if r.to_bits() == 0 {
             assert_eq!(e.to_bits(), 0, "element {k}");
@@ -649,13 +654,14 @@ proptest! {
         fs in prop::collection::vec(0i32..=40, 3),
         lives in prop::collection::vec(1usize..=6, 3),
         splits in prop::sample::select(vec![1usize, 2, 3, 7, 64]),
+        kt in prop::sample::select(vec![1usize, 2, 4, 16, 64]),
         seed in any::<u64>(),
     ) {
         let p = params(rows, cols, 2 * group, 2, 8, rows, s);
         let live: Vec<i32> = lives[..rows].iter().map(|&l| l.min(cols) as i32).collect();
         let mut fx = Fx::random(p, fs[..rows].to_vec(), live, seed);
         fx.lanes.reverse();
-        assert_port_matches(&fx, splits);
-        assert_port_matches(&fx, split_count(&fx.p));
+        assert_port_matches(&fx, splits, kt);
+        assert_port_matches(&fx, split_count(&fx.p), 64);
     }
 }

@@ -11,15 +11,52 @@ use half::{bf16, f16};
 use crate::registry::{CaseOutput, Criterion, output};
 use crate::{Element, OpsError, Result, check_len, check_param};
 
-/// Largest head dimension the CUDA kernels support (each lane of a warp holds at most 4
-/// bf16 pairs of a head).
+/// Largest head dimension the CUDA kernels support (padded to 256 in shared memory).
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 
-/// Keys per split that the static split count aims for.
-pub(crate) const KEYS_PER_SPLIT: usize = 256;
+/// Keys per tile that the split bound is counted in (the CUDA tile of head dims <= 128).
+pub(crate) const BOUND_TILE_KEYS: usize = 64;
 
-/// Upper bound of the split count (bounds the workspace).
-pub(crate) const MAX_SPLITS: usize = 32;
+/// Upper bound of the split count (bounds the workspace; `ATTN_MAX_SPLITS` of the merge).
+pub(crate) const MAX_SPLITS: usize = 64;
+
+/// Blocks the split count is sized to fill (rows * Hkv * row blocks * splits): more than any
+/// supported device keeps resident at once (an H200 holds 3 * 132).
+pub(crate) const SPLIT_FILL_BLOCKS: usize = 512;
+
+/// Query rows one CUDA block covers: the Hq / Hkv heads of a KV head times the live columns,
+/// 64 rows = four m16 MMA tiles (kernels/softmax_attention.cu, `ATTN_ROWS`).
+pub(crate) const BLOCK_QUERY_ROWS: usize = 64;
+
+/// The head dimension the CUDA kernel is instantiated for: the smallest of 16, 32, 64, 128,
+/// 256 that holds `d` (the padding columns are zeros in shared memory).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn padded_head_dim(d: usize) -> usize {
+    [16, 32, 64, 128, 256]
+        .into_iter()
+        .find(|&p| d <= p)
+        .unwrap_or(MAX_HEAD_DIM)
+}
+
+/// Keys per tile of the CUDA kernel for padded head dimension `dp` (`AttnCfg<DP>::KT`).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn tile_keys(dp: usize) -> usize {
+    if dp <= 128 { 32 } else { 16 }
+}
+
+/// Pipeline stages of the CUDA kernel for padded head dimension `dp` (`AttnCfg<DP>::STAGES`).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn stages(dp: usize) -> usize {
+    if dp <= 128 { 3 } else { 2 }
+}
+
+/// Dynamic shared memory of the CUDA split kernel for padded head dimension `dp`: the Q
+/// block, `stages` K and V tiles (rows padded by 8 elements) and one `kpos` array per stage.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn smem_bytes(dp: usize) -> usize {
+    let (kt, ld, st) = (tile_keys(dp), dp + 8, stages(dp));
+    (BLOCK_QUERY_ROWS * ld + 2 * st * kt * ld) * 2 + st * kt * 4
+}
 
 /// The shape of one attention call, common to both ops.
 #[derive(Clone, Copy, Debug)]
@@ -113,24 +150,39 @@ impl Geometry {
     }
 }
 
-/// The static split count of the split-KV kernels for a layer whose rows can see at most
-/// `key_capacity` keys (context plus block): `clamp(ceil(key_capacity / 256), 1, 32)`.
-pub(crate) fn split_count(key_capacity: usize) -> usize {
-    key_capacity.div_ceil(KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
+/// The most splits the CUDA kernels launch for a layer of geometry `g` whose rows can see at
+/// most `key_capacity` keys (context plus block): `clamp(min(ceil(key_capacity / 64),
+/// ceil(512 / (rows * Hkv * row blocks))), 1, 64)`, where a row block is 64 query rows of a KV
+/// head (`ceil(Hq / Hkv * cols / 64)`). The launched count is at most this (fewer when the
+/// device holds fewer blocks); each row then uses only as many splits as its visible key
+/// range needs.
+pub(crate) fn split_count(g: &Geometry, key_capacity: usize) -> usize {
+    let row_blocks = (g.group().saturating_mul(g.cols)).div_ceil(BLOCK_QUERY_ROWS);
+    let per_split = g
+        .rows
+        .saturating_mul(g.kv_heads)
+        .saturating_mul(row_blocks)
+        .max(1);
+    key_capacity
+        .div_ceil(BOUND_TILE_KEYS)
+        .min(SPLIT_FILL_BLOCKS.div_ceil(per_split))
+        .clamp(1, MAX_SPLITS)
 }
 
-/// f32 elements of the split-KV workspace: `rows * cols * Hq * splits * (D + 2)` (saturating,
-/// so nonsense geometry gives a huge value rather than an overflow).
+/// f32 elements of the split-KV workspace: `rows * cols * Hq * splits * (D + 2) + rows`
+/// (partials, then one active-split count per row), saturating so nonsense geometry gives a
+/// huge value rather than an overflow.
 pub(crate) fn workspace_len(g: &Geometry, key_capacity: usize) -> usize {
     [
         g.rows,
         g.cols,
         g.q_heads,
-        split_count(key_capacity),
+        split_count(g, key_capacity),
         g.head_dim.saturating_add(2),
     ]
     .iter()
     .fold(1usize, |acc, &f| acc.saturating_mul(f))
+    .saturating_add(g.rows)
 }
 
 /// Lengths of the tensors every attention call takes, for the length checks.
@@ -172,12 +224,14 @@ pub(crate) fn check_common(op: &'static str, g: &Geometry, t: &Lens) -> Result<(
     })?;
     let need = workspace_len(g, t.key_capacity);
     if t.workspace < need {
-        let splits = split_count(t.key_capacity);
+        let splits = split_count(g, t.key_capacity);
         return Err(OpsError::Length {
             op,
             tensor: "workspace",
             expected: need,
-            shape: format!("at least rows*cols*q_heads*splits*(head_dim+2) with splits={splits}"),
+            shape: format!(
+                "at least rows*cols*q_heads*splits*(head_dim+2) + rows with splits={splits}"
+            ),
             found: t.workspace,
         });
     }
@@ -401,82 +455,126 @@ pub(crate) fn case_outputs(g: &Geometry, live: &[i32], after: &[bf16]) -> Vec<Ca
     outs
 }
 
-/// A line-by-line f32 port of the CUDA split and merge bodies (kernels/softmax_attention.cu),
-/// for tests: the same key list, chunking, visibility tests, online softmax, workspace layout
-/// (poisoned with NaN so reading an unwritten partial shows) and merge. `row_ctx(r)` gives
-/// the kernel's (F, ctx_lo) of row r, `slot(r, p)` the flat slot or -1; `window` 0 = none.
+/// A port of the CUDA split and merge (kernels/softmax_attention.cu) at tile granularity, for
+/// tests: the same key list (context tiles, then block tiles, of `kt` keys), split plan
+/// (`tps = ceil(T / splits)`, active splits), relative key positions and window tests, base-2
+/// online softmax per tile, P as one FP16 term for context keys and two BF16 terms hi + lo for
+/// block keys, with the softmax sum over the represented terms, the workspace layout
+/// (poisoned with NaN so reading an unwritten partial shows; active counts at the end) and the
+/// merge. Only the summation order inside a tile (the MMA's) differs from the device.
+/// `row_ctx(r)` gives the kernel's (F, ctx_lo) of row r, `slot(r, p)` the flat slot or -1;
+/// `window` 0 = none.
 #[cfg(test)]
 pub(crate) fn emulate_split_kv(
     g: &Geometry,
     window: i64,
     splits: usize,
+    kt: usize,
     x: &Inputs<'_>,
     row_ctx: impl Fn(usize) -> (i64, i64),
     slot: impl Fn(usize, i64) -> i64,
 ) -> Vec<bf16> {
     let (rows, cols, hq, hkv, d) = (g.rows, g.cols, g.q_heads, g.kv_heads, g.head_dim);
     let group = hq / hkv;
-    let ml_len = 2 * rows * cols * hq * splits;
-    let mut ws = vec![f32::NAN; ml_len + rows * cols * hq * splits * d];
-    let scale = 1.0f32 / (d as f32).sqrt();
+    let items = rows * cols * hq * splits;
+    let ml_len = 2 * items;
+    let mut ws = vec![f32::NAN; ml_len + items * d + rows];
+    let sl2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
+    let kti = kt as i64;
     for r in 0..rows {
         let (f, lo) = row_ctx(r);
         let live = i64::from(x.live[r]).clamp(0, cols as i64);
         let n_ctx = f - lo;
-        let n = n_ctx + live;
-        let chunk = (n + splits as i64 - 1) / splits as i64;
-        for kvh in 0..hkv {
-            for s in 0..splits {
-                let t0 = n.min(s as i64 * chunk);
-                let t1 = n.min(t0 + chunk);
-                for it in 0..group * live as usize {
-                    let i = it / group;
-                    let h = kvh * group + it % group;
+        // attn_plan
+        let t_ctx = (n_ctx + kti - 1) / kti;
+        let tiles = t_ctx + (live + kti - 1) / kti;
+        let tps = ((tiles + splits as i64 - 1) / splits as i64).max(1);
+        let active = if live > 0 { (tiles + tps - 1) / tps } else { 0 };
+        ws[ml_len + items * d + r] = f32::from_bits(active as u32);
+        for s in 0..active {
+            let (t0, t1) = (s * tps, tiles.min(s * tps + tps));
+            for kvh in 0..hkv {
+                for m in 0..group * live as usize {
+                    let (i, h) = (m / group, kvh * group + m % group);
                     let qo = ((r * cols + i) * hq + h) * d;
-                    let qf: Vec<f32> = x.q[qo..qo + d].iter().map(|v| v.to_f32()).collect();
                     let mut acc = vec![0f32; d];
-                    let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-                    let pq = f + i as i64;
-                    for t in t0..t1 {
-                        let is_ctx = t < n_ctx;
-                        let off = if is_ctx {
-                            let p = lo + t;
-                            if window > 0 && p <= pq - window {
-                                continue;
-                            }
-                            let sl = slot(r, p);
-                            if sl < 0 {
-                                continue;
-                            }
-                            (sl as usize * hkv + kvh) * d
-                        } else {
-                            let j = t - n_ctx;
-                            if window > 0 && (j - i as i64).abs() >= window {
-                                continue;
-                            }
-                            ((r * cols + j as usize) * hkv + kvh) * d
-                        };
-                        let kv = |e: usize| -> (f32, f32) {
+                    let (mut m_run, mut l_run) = (f32::NEG_INFINITY, 0f32);
+                    for tt in t0..t1 {
+                        let is_ctx = tt < t_ctx;
+                        // (kpos, K row, V row as f32, V dtype is f16) of each valid key.
+                        let mut keys: Vec<(i64, Vec<f32>, Vec<f32>)> = Vec::new();
+                        for t in 0..kti {
                             if is_ctx {
-                                (x.ctx_k[off + e].to_f32(), x.ctx_v[off + e].to_f32())
+                                let p = lo + tt * kti + t;
+                                let sl = if p < f { slot(r, p) } else { -1 };
+                                if sl < 0 {
+                                    continue;
+                                }
+                                let b = (sl as usize * hkv + kvh) * d;
+                                keys.push((
+                                    p - f,
+                                    x.ctx_k[b..b + d].iter().map(|v| v.to_f32()).collect(),
+                                    x.ctx_v[b..b + d].iter().map(|v| v.to_f32()).collect(),
+                                ));
                             } else {
-                                (x.k_blk[off + e].to_f32(), x.v_blk[off + e].to_f32())
+                                let j = (tt - t_ctx) * kti + t;
+                                if j >= live {
+                                    continue;
+                                }
+                                let b = ((r * cols + j as usize) * hkv + kvh) * d;
+                                keys.push((
+                                    j,
+                                    x.k_blk[b..b + d].iter().map(|v| v.to_f32()).collect(),
+                                    x.v_blk[b..b + d].iter().map(|v| v.to_f32()).collect(),
+                                ));
                             }
-                        };
-                        let part: f32 = (0..d).map(|e| qf[e] * kv(e).0).sum();
-                        let sc = part * scale;
-                        let m_new = m.max(sc);
-                        let corr = (m - m_new).exp();
-                        let w = (sc - m_new).exp();
-                        l = l * corr + w;
-                        for (e, a) in acc.iter_mut().enumerate() {
-                            *a = *a * corr + w * kv(e).1;
                         }
-                        m = m_new;
+                        let ii = i as i64;
+                        let scores: Vec<f32> = keys
+                            .iter()
+                            .map(|(kk, k, _)| {
+                                let vis = window == 0
+                                    || if is_ctx {
+                                        kk - ii > -window
+                                    } else {
+                                        (kk - ii).abs() < window
+                                    };
+                                if !vis {
+                                    return f32::NEG_INFINITY;
+                                }
+                                let dot: f32 =
+                                    (0..d).map(|e| x.q[qo + e].to_f32() * k[e]).sum::<f32>();
+                                dot * sl2
+                            })
+                            .collect();
+                        let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let m_new = m_run.max(mx);
+                        let base = if m_new == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            m_new
+                        };
+                        let corr = (m_run - base).exp2();
+                        m_run = m_new;
+                        l_run *= corr;
+                        acc.iter_mut().for_each(|a| *a *= corr);
+                        for (sc, (_, _, v)) in scores.iter().zip(&keys) {
+                            let p = (sc - base).exp2();
+                            let (hi, lo) = if is_ctx {
+                                (f16::from_f32(p).to_f32(), 0.0)
+                            } else {
+                                let h = bf16::from_f32(p).to_f32();
+                                (h, bf16::from_f32(p - h).to_f32())
+                            };
+                            l_run += hi + lo;
+                            for (a, ve) in acc.iter_mut().zip(v) {
+                                *a += hi * ve + lo * ve;
+                            }
+                        }
                     }
-                    let item = ((r * cols + i) * hq + h) * splits + s;
-                    ws[2 * item] = m;
-                    ws[2 * item + 1] = l;
+                    let item = ((r * cols + i) * hq + h) * splits + s as usize;
+                    ws[2 * item] = m_run;
+                    ws[2 * item + 1] = l_run;
                     ws[ml_len + item * d..ml_len + (item + 1) * d].copy_from_slice(&acc);
                 }
             }
@@ -485,26 +583,27 @@ pub(crate) fn emulate_split_kv(
     let mut out = vec![bf16::POISON; rows * cols * hq * d];
     for r in 0..rows {
         let live = (x.live[r].max(0) as usize).min(cols);
+        let active = (ws[ml_len + items * d + r].to_bits() as usize).min(splits);
         for i in 0..cols {
             for h in 0..hq {
+                let item0 = ((r * cols + i) * hq + h) * splits;
+                let mx = (0..active)
+                    .map(|s| ws[2 * (item0 + s)])
+                    .fold(f32::NEG_INFINITY, f32::max);
                 for e in 0..d {
                     let o = ((r * cols + i) * hq + h) * d + e;
                     if i >= live {
                         out[o] = bf16::from_f32(0.0);
                         continue;
                     }
-                    let item0 = ((r * cols + i) * hq + h) * splits;
-                    let mx = (0..splits)
-                        .map(|s| ws[2 * (item0 + s)])
-                        .fold(f32::NEG_INFINITY, f32::max);
                     let (mut num, mut den) = (0f32, 0f32);
                     if mx != f32::NEG_INFINITY {
-                        for s in 0..splits {
+                        for s in 0..active {
                             let ms = ws[2 * (item0 + s)];
                             if ms == f32::NEG_INFINITY {
                                 continue;
                             }
-                            let w = (ms - mx).exp();
+                            let w = (ms - mx).exp2();
                             den += w * ws[2 * (item0 + s) + 1];
                             num += w * ws[ml_len + (item0 + s) * d + e];
                         }
@@ -550,10 +649,43 @@ mod tests {
 
     #[test]
     fn split_count_is_static_and_bounded() {
-        assert_eq!(split_count(0), 1);
-        assert_eq!(split_count(256), 1);
-        assert_eq!(split_count(257), 2);
-        assert_eq!(split_count(4095 + 16), 17);
-        assert_eq!(split_count(1 << 20), MAX_SPLITS);
+        let g = |rows, cols, q_heads, kv_heads| Geometry {
+            rows,
+            cols,
+            q_heads,
+            kv_heads,
+            head_dim: 128,
+        };
+        let one = g(1, 8, 32, 8);
+        assert_eq!(split_count(&one, 0), 1);
+        assert_eq!(split_count(&one, 64), 1);
+        assert_eq!(split_count(&one, 65), 2);
+        assert_eq!(split_count(&one, 2047 + 8), 33); // ceil(2055 / 64)
+        assert_eq!(split_count(&one, 1 << 20), MAX_SPLITS); // 512 / 8 = 64
+        // Eight requests with 16 columns: 64 (row, KV head) pairs fill 512 blocks with 8.
+        assert_eq!(split_count(&g(8, 16, 32, 8), 4095 + 16), 8);
+        // A large GQA group adds row blocks (16 * 16 / 64 = 4 per KV head).
+        assert_eq!(split_count(&g(2, 16, 16, 1), 1 << 20), 64);
+        assert_eq!(split_count(&g(8, 16, 64, 2), 1 << 20), 4); // 8 * 2 * 8 = 128 per split
+    }
+
+    #[test]
+    fn kernel_tiles_fit_the_smallest_supported_shared_memory() {
+        // 99 KiB is the opt-in limit per block of sm_86 / sm_89 (RTX 30 / 40), the smallest
+        // among the architectures the crates support (sm_80 and later).
+        for d in [2, 16, 18, 32, 64, 100, 128, 130, 256] {
+            let dp = padded_head_dim(d);
+            assert!(dp >= d && dp % 16 == 0, "{d} -> {dp}");
+            assert!(smem_bytes(dp) <= 99 * 1024, "{dp}: {}", smem_bytes(dp));
+            assert_eq!(tile_keys(dp) % 16, 0);
+        }
+        assert_eq!(padded_head_dim(128), 128);
+        // Q (64 rows) + 3 stages of 32 K and 32 V rows of 136 elements + 3 kpos arrays.
+        assert_eq!(
+            smem_bytes(128),
+            (64 * 136 + 2 * 3 * 32 * 136) * 2 + 3 * 32 * 4
+        );
+        // Three blocks fit in an H200 SM (228 KiB, 1 KiB reserved per block).
+        assert!(3 * (smem_bytes(128) + 1024) <= 228 * 1024);
     }
 }

@@ -1,11 +1,12 @@
-//! CUDA launcher of `softmax_attention` (kernels/softmax_attention.cu), and the launch
-//! helpers shared with `sliding_window_attention` (whose module compiles the same bodies).
+//! The one CUDA launcher of both attention ops (kernels/softmax_attention.cu, whose split and
+//! merge bodies `sliding_window_attention` compiles with its own entry points): the ops differ
+//! only in the [`AttnContext`] they pass.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 
-use super::attend::Geometry;
-use super::{FullAttentionParams, OP, split_count};
+use super::attend::{self, Geometry};
+use super::{FullAttentionParams, OP};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::{Buffer, OpsError, Result};
 
@@ -15,86 +16,203 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
     "/../../kernels/softmax_attention.cu"
 ));
 
-/// Most warps per split block (one warp per (column, head) item, looping when there are more).
-const MAX_WARPS: usize = 16;
+/// Threads of a split block (four warps, one m16 query tile each: `ATTN_THREADS`).
+const SPLIT_THREADS: u32 = 128;
 
-/// Threads of the merge block.
-const MERGE_THREADS: u32 = 256;
+/// Threads of a merge block (one per head element, looping past 128).
+const MERGE_THREADS: u32 = 128;
 
-/// Launch configuration of a split kernel: grid (splits, Hkv, rows), 32 x min(G*cols, 16)
-/// threads. Refuses shapes the grid cannot express (checked before any launch).
-pub(crate) fn split_config(op: &'static str, g: &Geometry, splits: usize) -> Result<LaunchConfig> {
-    let limit = 65_535usize;
-    if g.kv_heads > limit || g.rows > limit {
-        return Err(OpsError::Param {
-            op,
-            param: "rows/kv_heads",
-            expected: format!("rows and kv_heads <= {limit} on CUDA (grid y/z)"),
-            found: format!("rows {}, kv_heads {}", g.rows, g.kv_heads),
-        });
-    }
-    let warps = g.group().saturating_mul(g.cols).clamp(1, MAX_WARPS);
-    Ok(LaunchConfig {
-        grid_dim: (splits as u32, g.kv_heads as u32, g.rows as u32),
-        block_dim: (32 * warps as u32, 1, 1),
-        shared_mem_bytes: 0,
-    })
+/// Where a row's context lives: the only thing that differs between the two ops.
+pub(crate) enum AttnContext<'a> {
+    /// Full layer: a paged pool and per-row page tables.
+    Paged {
+        pages_k: &'a Buffer<bf16>,
+        pages_v: &'a Buffer<f16>,
+        page_table: &'a Buffer<i32>,
+        pages: usize,
+        page_size: usize,
+        max_pages: usize,
+    },
+    /// Local layer: ring lanes of capacity `window` and the window itself.
+    Ring {
+        ring_k: &'a Buffer<bf16>,
+        ring_v: &'a Buffer<f16>,
+        lanes: &'a Buffer<i32>,
+        n_lanes: usize,
+        window: usize,
+    },
 }
 
-/// Launch configuration of a merge kernel: one block per (row, column).
-pub(crate) fn merge_config(op: &'static str, g: &Geometry) -> Result<LaunchConfig> {
-    let blocks = g
-        .rows
-        .checked_mul(g.cols)
-        .filter(|&b| b <= i32::MAX as usize);
-    let Some(blocks) = blocks else {
-        return Err(OpsError::Param {
-            op,
-            param: "rows*cols",
-            expected: "rows * cols <= i32::MAX on CUDA".into(),
-            found: format!("{} x {}", g.rows, g.cols),
-        });
-    };
-    Ok(LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (MERGE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    })
+/// The tensors of one attention call besides the context.
+pub(crate) struct AttnCall<'a> {
+    pub(crate) q: &'a Buffer<bf16>,
+    pub(crate) k_blk: &'a Buffer<bf16>,
+    pub(crate) v_blk: &'a Buffer<bf16>,
+    pub(crate) start_pos: &'a Buffer<i32>,
+    pub(crate) live: &'a Buffer<i32>,
 }
 
-/// Launch the merge kernel `name` of module `module` (compiled from `source`).
-pub(crate) fn launch_merge(
+/// Launch the split kernel `{op}_split_d{DP}` and the merge `{op}_merge` of module `op`
+/// (source `source`). Shapes were validated by the op's `run`.
+///
+/// Grid of the split: (splits, Hkv * row_blocks, rows) with row_blocks = ceil(G * cols / 64)
+/// and splits = min(split bound, resident blocks of the device / (rows * Hkv * row_blocks)),
+/// at least 1: the batch plus its splits fill the device once, never more than the workspace
+/// was sized for. Each row then uses only the splits its visible key range needs.
+pub(crate) fn launch(
     c: &CudaBackend,
     op: &'static str,
     source: &str,
-    name: &'static str,
-    cfg: LaunchConfig,
     g: &Geometry,
-    splits: usize,
-    workspace: &Buffer<f32>,
-    live: &Buffer<i32>,
+    key_capacity: usize,
+    ctx: &AttnContext<'_>,
+    t: &AttnCall<'_>,
     out: &mut Buffer<bf16>,
+    workspace: &mut Buffer<f32>,
 ) -> Result<()> {
-    let f = c.function(op, source, name)?;
-    let (rows, cols, hq, d, sp) = (
+    let dp = attend::padded_head_dim(g.head_dim);
+    let name: &'static str = match (op, dp) {
+        ("softmax_attention", 16) => "softmax_attention_split_d16",
+        ("softmax_attention", 32) => "softmax_attention_split_d32",
+        ("softmax_attention", 64) => "softmax_attention_split_d64",
+        ("softmax_attention", 128) => "softmax_attention_split_d128",
+        ("softmax_attention", _) => "softmax_attention_split_d256",
+        (_, 16) => "sliding_window_attention_split_d16",
+        (_, 32) => "sliding_window_attention_split_d32",
+        (_, 64) => "sliding_window_attention_split_d64",
+        (_, 128) => "sliding_window_attention_split_d128",
+        _ => "sliding_window_attention_split_d256",
+    };
+    let merge_name: &'static str = match ctx {
+        AttnContext::Paged { .. } => "softmax_attention_merge",
+        AttnContext::Ring { .. } => "sliding_window_attention_merge",
+    };
+    let smem = attend::smem_bytes(dp);
+    let kernel = c.kernel(op, source, name, SPLIT_THREADS, smem)?;
+    let row_blocks = (g.group() * g.cols).div_ceil(attend::BLOCK_QUERY_ROWS);
+    let limit = 65_535usize;
+    let grid_y = g.kv_heads.saturating_mul(row_blocks);
+    if grid_y > limit || g.rows > limit || g.cols > limit || g.q_heads > i32::MAX as usize {
+        return Err(OpsError::Param {
+            op,
+            param: "rows/kv_heads/cols",
+            expected: format!(
+                "rows, cols and kv_heads * ceil(q_heads / kv_heads * cols / 64), rows and cols <= {limit} on CUDA"
+            ),
+            found: format!("rows {}, cols {}, grid y {grid_y}", g.rows, g.cols),
+        });
+    }
+    // The kernels address context slots in 32 bits.
+    let slots = match ctx {
+        AttnContext::Paged {
+            pages, page_size, ..
+        } => pages.saturating_mul(*page_size),
+        AttnContext::Ring {
+            n_lanes, window, ..
+        } => n_lanes.saturating_mul(*window),
+    };
+    if slots > i32::MAX as usize {
+        return Err(OpsError::Param {
+            op,
+            param: "pages/lanes",
+            expected:
+                "at most 2^31 - 1 context slots (pages * page_size or lanes * window) on CUDA"
+                    .into(),
+            found: slots.to_string(),
+        });
+    }
+    let resident = kernel.blocks_per_sm * c.limits().sm_count;
+    let per_split = g.rows * grid_y;
+    let splits = (resident / per_split.max(1)).clamp(1, attend::split_count(g, key_capacity));
+    let split_cfg = LaunchConfig {
+        grid_dim: (splits as u32, grid_y as u32, g.rows as u32),
+        block_dim: (SPLIT_THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    // All shapes were checked to fit in i32 by `run`.
+    let (rows, cols, hq, hkv, d, sp, rb) = (
         g.rows as i32,
         g.cols as i32,
         g.q_heads as i32,
+        g.kv_heads as i32,
         g.head_dim as i32,
         splits as i32,
+        row_blocks as i32,
     );
-    let mut b = c.stream().launch_builder(&f);
+    // Context scalars: paged (pages, page_size, max_pages); ring (n_lanes, window).
+    let (ctx_k, ctx_v, map, scalars): (_, _, _, Vec<i32>) = match ctx {
+        AttnContext::Paged {
+            pages_k,
+            pages_v,
+            page_table,
+            pages,
+            page_size,
+            max_pages,
+        } => (
+            pages_k.device(op, "pages_k")?,
+            pages_v.device(op, "pages_v")?,
+            page_table.device(op, "page_table")?,
+            vec![*pages as i32, *page_size as i32, *max_pages as i32],
+        ),
+        AttnContext::Ring {
+            ring_k,
+            ring_v,
+            lanes,
+            n_lanes,
+            window,
+        } => (
+            ring_k.device(op, "ring_k")?,
+            ring_v.device(op, "ring_v")?,
+            lanes.device(op, "lanes")?,
+            vec![*n_lanes as i32, *window as i32],
+        ),
+    };
+    {
+        let mut b = c.stream().launch_builder(&kernel.func);
+        b.arg(t.q.device(op, "q")?);
+        b.arg(t.k_blk.device(op, "k_blk")?);
+        b.arg(t.v_blk.device(op, "v_blk")?);
+        b.arg(ctx_k);
+        b.arg(ctx_v);
+        b.arg(map);
+        b.arg(t.start_pos.device(op, "start_pos")?);
+        b.arg(t.live.device(op, "live")?);
+        b.arg(workspace.device_mut(op, "workspace")?);
+        b.arg(&rows);
+        b.arg(&cols);
+        b.arg(&hq);
+        b.arg(&hkv);
+        b.arg(&d);
+        for v in &scalars {
+            b.arg(v);
+        }
+        b.arg(&sp);
+        b.arg(&rb);
+        // SAFETY: argument types and order match the `{op}_split_d{DP}` entry points (paged:
+        // pages, page_size, max_pages; ring: n_lanes, window); every length was checked by
+        // `run` (workspace >= workspace_len, whose split bound covers `splits`); the kernel
+        // clamps device metadata so it stays in bounds.
+        unsafe { b.launch(split_cfg) }.map_err(cuda_err(format!("launching {name}")))?;
+    }
+    let merge = c.function(op, source, merge_name)?;
+    let merge_cfg = LaunchConfig {
+        grid_dim: (g.q_heads as u32, g.cols as u32, g.rows as u32),
+        block_dim: (MERGE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = c.stream().launch_builder(&merge);
     b.arg(workspace.device(op, "workspace")?);
-    b.arg(live.device(op, "live")?);
+    b.arg(t.live.device(op, "live")?);
     b.arg(out.device_mut(op, "out")?);
     b.arg(&rows);
     b.arg(&cols);
     b.arg(&hq);
     b.arg(&d);
     b.arg(&sp);
-    // SAFETY: argument types and order match attn merge kernels; lengths checked by `run`
-    // (workspace >= workspace_len, out = rows*cols*Hq*D, live = rows).
-    unsafe { b.launch(cfg) }.map_err(cuda_err(format!("launching {name}")))?;
+    // SAFETY: argument types and order match the attention merge kernels; lengths checked by
+    // `run` (out = rows*cols*Hq*D, live = rows); the split kernel above wrote the active
+    // split counts and every active partial the merge reads.
+    unsafe { b.launch(merge_cfg) }.map_err(cuda_err(format!("launching {merge_name}")))?;
     Ok(())
 }
 
@@ -112,59 +230,28 @@ pub(super) fn run(
     workspace: &mut Buffer<f32>,
     p: &FullAttentionParams,
 ) -> Result<()> {
-    let g = p.geometry();
-    let splits = split_count(p);
-    let split_cfg = split_config(OP, &g, splits)?;
-    let merge_cfg = merge_config(OP, &g)?;
-    let f = c.function(OP, SOURCE, "softmax_attention_split")?;
-    // All shapes were checked to fit in i32 by `run`.
-    let (rows, cols, hq, hkv, d) = (
-        p.rows as i32,
-        p.cols as i32,
-        p.q_heads as i32,
-        p.kv_heads as i32,
-        p.head_dim as i32,
-    );
-    let (pages, ps, mp, sp) = (
-        p.pages as i32,
-        p.page_size as i32,
-        p.max_pages as i32,
-        splits as i32,
-    );
-    {
-        let mut b = c.stream().launch_builder(&f);
-        b.arg(q.device(OP, "q")?);
-        b.arg(k_blk.device(OP, "k_blk")?);
-        b.arg(v_blk.device(OP, "v_blk")?);
-        b.arg(pages_k.device(OP, "pages_k")?);
-        b.arg(pages_v.device(OP, "pages_v")?);
-        b.arg(page_table.device(OP, "page_table")?);
-        b.arg(start_pos.device(OP, "start_pos")?);
-        b.arg(live.device(OP, "live")?);
-        b.arg(workspace.device_mut(OP, "workspace")?);
-        b.arg(&rows);
-        b.arg(&cols);
-        b.arg(&hq);
-        b.arg(&hkv);
-        b.arg(&d);
-        b.arg(&pages);
-        b.arg(&ps);
-        b.arg(&mp);
-        b.arg(&sp);
-        // SAFETY: argument types and order match softmax_attention_split; every length was
-        // checked by `run`; the kernel clamps device metadata so it stays in bounds.
-        unsafe { b.launch(split_cfg) }.map_err(cuda_err("launching softmax_attention_split"))?;
-    }
-    launch_merge(
+    launch(
         c,
         OP,
         SOURCE,
-        "softmax_attention_merge",
-        merge_cfg,
-        &g,
-        splits,
-        workspace,
-        live,
+        &p.geometry(),
+        p.key_capacity(),
+        &AttnContext::Paged {
+            pages_k,
+            pages_v,
+            page_table,
+            pages: p.pages,
+            page_size: p.page_size,
+            max_pages: p.max_pages,
+        },
+        &AttnCall {
+            q,
+            k_blk,
+            v_blk,
+            start_pos,
+            live,
+        },
         out,
+        workspace,
     )
 }

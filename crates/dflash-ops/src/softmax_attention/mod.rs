@@ -41,16 +41,21 @@
 //! Comparison. out: close (abs 1e-4, 2 bf16 ulps); dead columns: exact +0.0 bits.
 //! ```
 //!
-//! CUDA. Split-KV: grid (splits, Hkv, rows), one block per (split, KV head, row) handles all
-//! query heads of the KV group and every live column over a contiguous chunk of the row's
-//! key list (context keys, then block keys), one warp per (column, head), writing partial
-//! (max, sum, accumulator) to the workspace; a merge kernel (one block per (row, column))
-//! combines the partials and writes the dead columns' zeros. The split count is static
-//! ([`split_count`]); each row divides its own keys evenly over the splits on the device, and
-//! splits whose chunk is empty write neutral partials (max -inf, sum 0).
-//!
-//! Performance: the kernels use FP32 CUDA cores (a warp-wide shuffle reduction per key and
-//! head), not tensor cores; the split count keeps every SM busy at small batch.
+//! CUDA (kernels/softmax_attention.cu; one body and one launcher for both attention ops, which
+//! differ only in the context map and the window). Work split: the Hq / Hkv query heads of a
+//! KV head times the live columns of a request form up to 64 query rows (four m16 tiles, one
+//! per warp) that share every K/V tile; grid (splits, Hkv * row blocks, rows), 128 threads. A
+//! row's key list is its visible context (here `[0, F)`) in tiles of 64 keys (16 for head
+//! dims above 128), then its live block columns; each active split takes consecutive tiles, so
+//! the work follows the live context (a row with 300 keys uses 5 tiles whatever the capacity).
+//! The launched split count is min([`split_count`], the device's resident blocks / (rows * Hkv
+//! * row blocks)). K/V tiles are staged through shared memory by cp.async, double buffered;
+//! Q K^T and P V run on the tensor cores (mma.m16n8k16, FP32 accumulation) with an online
+//! softmax in base 2; P is split into two 16-bit terms in V's dtype (FP16 for the context's F16
+//! V, BF16 for the block's V) so V is used exactly as stored. Each split writes FP32 partials
+//! (max, sum, accumulator) and its row's active split count; the merge (grid (Hq, cols, rows))
+//! combines the active splits exactly and writes the dead columns' zeros. Head dims are padded
+//! to 16, 32, 64, 128 or 256 with zeros in shared memory; D % 8 != 0 uses 4-byte copies.
 //!
 //! Shared math: [`crate::sliding_window_attention`] evaluates the same per-row helper.
 //! Sizes: [`workspace_len`], [`split_count`].
@@ -112,14 +117,15 @@ impl FullAttentionParams {
     }
 }
 
-/// The static split count of the CUDA kernels for `p` (depends on shapes only).
+/// The most splits the CUDA kernels launch for `p` (depends on shapes only; bounds the
+/// workspace): `clamp(ceil(key capacity / 64), 1, 32)`.
 pub fn split_count(p: &FullAttentionParams) -> usize {
-    attend::split_count(p.key_capacity())
+    attend::split_count(&p.geometry(), p.key_capacity())
 }
 
 /// f32 elements the `workspace` of [`run`] must have at least:
-/// `rows * cols * q_heads * split_count(p) * (head_dim + 2)` (saturating for nonsense shapes,
-/// which [`run`] refuses anyway).
+/// `rows * cols * q_heads * split_count(p) * (head_dim + 2) + rows` (saturating for nonsense
+/// shapes, which [`run`] refuses anyway).
 pub fn workspace_len(p: &FullAttentionParams) -> usize {
     attend::workspace_len(&p.geometry(), p.key_capacity())
 }
@@ -228,7 +234,7 @@ pub fn run(
 }
 
 /// One conformance case: rows given as (F, live), a scattered page table (pages assigned
-/// from a random permutation, unused entries -1).
+/// from a random permutation of a pool with `spare` unused pages, unused entries -1).
 struct CaseSpec {
     q_heads: usize,
     kv_heads: usize,
@@ -236,6 +242,7 @@ struct CaseSpec {
     cols: usize,
     page_size: usize,
     rows: Vec<(i32, i32)>,
+    spare: usize,
     seed: u64,
 }
 
@@ -249,7 +256,7 @@ fn case(spec: CaseSpec) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
             .map(|&(f, _)| (f as usize).div_ceil(s.page_size))
             .collect();
         let max_pages = used.iter().copied().max().unwrap_or(0).max(1) + 1;
-        let pages = used.iter().sum::<usize>() + 3;
+        let pages = used.iter().sum::<usize>() + s.spare;
         let p = FullAttentionParams {
             rows,
             cols: s.cols,
@@ -313,6 +320,7 @@ pub(crate) fn cases() -> Vec<Case> {
         cols,
         page_size,
         rows,
+        spare: 3,
         seed,
     };
     vec![
@@ -326,6 +334,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 cols: 5,
                 page_size: 4,
                 rows: vec![(0, 5), (9, 3), (33, 1)],
+                spare: 3,
                 seed: 11,
             }),
         ),
@@ -378,6 +387,59 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "official_p64_rows1_k15_f300",
             case(official(16, 64, vec![(300, 11)], 15)),
+        ),
+        // Benchmark shapes: B=1 K=7 at 2048; a long context (many tiles per split); eight
+        // requests with unequal frontiers and dead columns over a pool with many holes; a
+        // head dim that is not a multiple of 8 (4-byte copies) and a large GQA group (two
+        // query row blocks).
+        Case::new(
+            OP,
+            "official_p64_rows1_k7_f2048",
+            case(official(8, 64, vec![(2048, 8)], 16)),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "official_p64_rows1_k7_f16384",
+            case(official(8, 64, vec![(16384, 8)], 17)),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "official_p64_rows8_k15_unequal_holes",
+            case(CaseSpec {
+                spare: 40,
+                ..official(
+                    16,
+                    64,
+                    vec![
+                        (4096, 16),
+                        (0, 16),
+                        (4033, 5),
+                        (64, 16),
+                        (1, 1),
+                        (2500, 16),
+                        (130, 8),
+                        (4000, 15),
+                    ],
+                    18,
+                )
+            }),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "small_d10_hq16_hkv1_p8_rows2_two_row_blocks",
+            case(CaseSpec {
+                q_heads: 16,
+                kv_heads: 1,
+                head_dim: 10,
+                cols: 5,
+                page_size: 8,
+                rows: vec![(70, 5), (3, 4)],
+                spare: 5,
+                seed: 19,
+            }),
         ),
     ]
 }

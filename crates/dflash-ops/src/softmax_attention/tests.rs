@@ -534,13 +534,23 @@ fn workspace_size_and_split_count_are_static() {
         page_size: 16,
         max_pages: 320,
     };
-    assert_eq!(split_count(&p), 21); // ceil((5120 + 16) / 256)
-    assert_eq!(workspace_len(&p), 8 * 16 * 32 * 21 * 130);
+    // min(ceil((5120 + 16) / 64), 512 / (8 rows * 8 KV heads)) = 8
+    assert_eq!(split_count(&p), 8);
+    assert_eq!(workspace_len(&p), 8 * 16 * 32 * 8 * 130 + 8);
+    let small = FullAttentionParams {
+        rows: 1,
+        cols: 4,
+        max_pages: 3,
+        ..p
+    };
+    assert_eq!(split_count(&small), 1); // ceil((48 + 4) / 64)
+    assert_eq!(workspace_len(&small), 4 * 32 * 130 + 1);
     let big = FullAttentionParams {
+        rows: 1,
         max_pages: 1 << 16,
         ..p
     };
-    assert_eq!(split_count(&big), 32);
+    assert_eq!(split_count(&big), 64);
 }
 
 proptest! {
@@ -570,7 +580,7 @@ proptest! {
 
 /// The f32 port of the CUDA split/merge agrees with the reference within the conformance
 /// criterion for any split count (more splits than keys gives neutral partials).
-fn assert_port_matches(fx: &Fx, splits: usize) {
+fn assert_port_matches(fx: &Fx, splits: usize, kt: usize) {
     let g = fx.p.geometry();
     let cap = (fx.p.max_pages * fx.p.page_size) as i64;
     let x = attend::Inputs {
@@ -586,6 +596,7 @@ fn assert_port_matches(fx: &Fx, splits: usize) {
         &g,
         0,
         splits,
+        kt,
         &x,
         |r| (i64::from(fx.start_pos[r]).clamp(0, cap), 0),
         |r, p| {
@@ -608,7 +619,7 @@ fn assert_port_matches(fx: &Fx, splits: usize) {
                 r.bits(),
                 e.bits()
             ),
-            "splits {splits} element {k}: port {e} vs reference {r}"
+            "splits {splits} kt {kt} element {k}: port {e} vs reference {r}"
         );
         if r.to_bits() == 0 {
             assert_eq!(e.to_bits(), 0, "element {k}");
@@ -628,12 +639,13 @@ proptest! {
         fs in prop::collection::vec(0i32..=40, 3),
         lives in prop::collection::vec(1usize..=5, 3),
         splits in prop::sample::select(vec![1usize, 2, 3, 7, 64]),
+        kt in prop::sample::select(vec![1usize, 2, 4, 16, 64]),
         seed in any::<u64>(),
     ) {
         let live: Vec<i32> = lives[..rows].iter().map(|&l| l.min(cols) as i32).collect();
         let fs = fs[..rows].to_vec();
         let fx = Fx::random(rows, cols, 2 * group, 2, 8, page_size, fs, live, seed);
-        assert_port_matches(&fx, splits);
-        assert_port_matches(&fx, split_count(&fx.p));
+        assert_port_matches(&fx, splits, kt);
+        assert_port_matches(&fx, split_count(&fx.p), 64);
     }
 }

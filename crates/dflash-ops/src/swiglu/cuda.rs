@@ -7,7 +7,7 @@ use crate::{Buffer, Result, bf16};
 
 use super::{OP, SwigluParams};
 
-const SOURCE: &str = include_str!(concat!(
+pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/swiglu.cu"
 ));

@@ -23,7 +23,7 @@
 //!   on the other side of a BF16 rounding boundary than the f64 oracle, never further.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;

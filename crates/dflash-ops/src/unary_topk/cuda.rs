@@ -1,61 +1,79 @@
-//! CUDA launcher of `unary_topk` (kernels/unary_topk.cu): one 256-thread block per column.
+//! CUDA launcher of `unary_topk`: the fused head GEMM of `proposal_argmax` with the top-16
+//! epilogue (kernels/proposal_argmax.cu followed by kernels/unary_topk.cu as one module), then
+//! the merge of the per-block lists.
+
+use std::sync::OnceLock;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
 
+use super::{OP, Params, TOP_K};
 use crate::cuda::{CudaBackend, cuda_err};
+use crate::proposal_argmax::cuda::SOURCE as SHARED;
+use crate::proposal_argmax::head::{self, cuda::launch_gemm};
 use crate::{Buffer, Result};
 
-use super::{OP, Params, ProposalHead};
-
-const SOURCE: &str = include_str!(concat!(
+const OWN: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/unary_topk.cu"
 ));
 
-/// Threads per block; must equal `UT_THREADS` in the kernel (its shared arrays are sized by it).
-const THREADS: u32 = 256;
+/// The module source: the shared head GEMM driver, then this op's epilogue (built once).
+pub(crate) fn source() -> &'static str {
+    static SRC: OnceLock<String> = OnceLock::new();
+    SRC.get_or_init(|| format!("{SHARED}\n{OWN}"))
+}
 
-/// Shapes were validated by `super::run` (n >= 1, at least 16 candidates, sizes fit in i32).
+/// Dynamic shared memory of `unary_topk_gemm_nt{nt}`: the pipeline plus the epilogue's warp
+/// bests, lists, hot flags, tile row ids and one slab of 16 logit columns
+/// (`PhTopk<NT>::SMEM_BYTES`).
+pub(crate) fn smem_bytes(nt: usize) -> usize {
+    let nc = 8 * nt;
+    head::pipe_bytes(nt) + 4 * nc * 8 + nc * TOP_K * 8 + nc * 4 + 128 * 4 + nc.min(16) * 128 * 4
+}
+
 pub(super) fn run(
     c: &CudaBackend,
-    logits: &Buffer<f32>,
+    hidden: &Buffer<bf16>,
+    head_w: &Buffer<bf16>,
     token_ids: Option<&Buffer<i32>>,
     scores: &mut Buffer<f32>,
     ids: &mut Buffer<i32>,
+    workspace: &mut Buffer<f32>,
     p: &Params,
 ) -> Result<()> {
+    let blocks = launch_gemm(
+        c,
+        OP,
+        source(),
+        [
+            "unary_topk_gemm_nt1",
+            "unary_topk_gemm_nt2",
+            "unary_topk_gemm_nt4",
+            "unary_topk_gemm_nt8",
+            "unary_topk_gemm_nt16",
+        ],
+        smem_bytes,
+        hidden,
+        head_w,
+        token_ids,
+        workspace,
+        p,
+    )?;
+    let f = c.function(OP, source(), "unary_topk_merge")?;
     let cfg = LaunchConfig {
         grid_dim: (p.n as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let rows = p.rows as i32;
-    let public_vocab = p.public_vocab as i32;
-    match (p.head, token_ids) {
-        (ProposalHead::Indexed, Some(t)) => {
-            let f = c.function(OP, SOURCE, "unary_topk_indexed")?;
-            let mut b = c.stream().launch_builder(&f);
-            b.arg(logits.device(OP, "logits")?);
-            b.arg(t.device(OP, "token_ids")?);
-            b.arg(scores.device_mut(OP, "scores")?);
-            b.arg(ids.device_mut(OP, "ids")?);
-            b.arg(&rows);
-            // SAFETY: argument types and order match unary_topk_indexed; logits has n*rows
-            // elements, token_ids rows >= 16, scores and ids 16n (checked by `super::run`).
-            unsafe { b.launch(cfg) }.map_err(cuda_err("launching unary_topk_indexed"))?;
-        }
-        _ => {
-            let f = c.function(OP, SOURCE, "unary_topk_full")?;
-            let mut b = c.stream().launch_builder(&f);
-            b.arg(logits.device(OP, "logits")?);
-            b.arg(scores.device_mut(OP, "scores")?);
-            b.arg(ids.device_mut(OP, "ids")?);
-            b.arg(&rows);
-            b.arg(&public_vocab);
-            // SAFETY: argument types and order match unary_topk_full; logits has n*rows
-            // elements, 16 <= public_vocab <= rows, scores and ids 16n (checked by `super::run`).
-            unsafe { b.launch(cfg) }.map_err(cuda_err("launching unary_topk_full"))?;
-        }
-    }
+    let parts = blocks as i32;
+    let mut b = c.stream().launch_builder(&f);
+    b.arg(workspace.device(OP, "workspace")?);
+    b.arg(scores.device_mut(OP, "scores")?);
+    b.arg(ids.device_mut(OP, "ids")?);
+    b.arg(&parts);
+    // SAFETY: argument types and order match unary_topk_merge; the GEMM above wrote `blocks`
+    // lists of 16 partials for each of the n columns; scores and ids have 16n elements.
+    unsafe { b.launch(cfg) }.map_err(cuda_err("launching unary_topk_merge"))?;
     Ok(())
 }

@@ -1,43 +1,58 @@
-//! Unary top-16: the DFlash2 selector's candidate list per mask column (stable top-16 of the
-//! proposal head's logits, mapped to global token ids).
+//! Unary top-16: the DFlash2 selector's candidate list per mask column, the proposal head
+//! fused with a stable top-16 (global token ids and their FP32 scores); the `[n, rows]`
+//! logits are never stored.
 //!
-//! The caller computes the head logits of the final-normed mask columns (the anchor column is
-//! dropped) with a GEMM; this op selects exactly from the represented F32 values.
-//!
-//! Semantics. For each column `i < n`, let the candidates be the pairs `(l[i, k], id(k))` for
-//!   the full head ([`ProposalHead::Full`]): `k < public_vocab`, `id(k) = k` (rows
-//!   `public_vocab..rows` are never candidates); for the indexed head
-//!   ([`ProposalHead::Indexed`]): every `k < rows`, `id(k) = token_ids[k]`.
-//!   Order the candidates by score descending, exact ties by LOWER global id (a total order;
-//!   `-0.0 == +0.0`). `scores[i, j]` and `ids[i, j]` are the `j`-th candidate, `j < 16`.
-//!   No penalties, temperature, top-k/top-p/min-p or other target sampling controls apply.
-//! Shapes. logits: `[n, rows]` F32; token_ids: `[rows]` I32 (indexed head only);
-//!   scores: `[n, 16]` F32; ids: `[n, 16]` I32.
-//! Dtypes and rounding. None: `scores` are bit copies of the selected logits.
-//! Non-finite values. `+-inf` are ordinary values. NaN: the CPU refuses a NaN among the
-//!   candidates with [`OpsError::Value`] (NaN in the ignored full-head tail is allowed); the
-//!   CUDA path treats a NaN logit as `-inf` (and stores `-inf` if such a candidate is selected).
+//! Semantics. For each column `i < n`, with the logits `l[i, k] = sum_h hidden[i, h] *
+//!   head[k, h]` of [`crate::proposal_argmax`] (FP32 values), the candidates are the pairs
+//!   `(l[i, k], id(k))` for the full head ([`ProposalHead::Full`]): `k < public_vocab`,
+//!   `id(k) = k` (rows `public_vocab..rows` are never candidates); for the indexed head
+//!   ([`ProposalHead::Indexed`]): every `k < rows`, `id(k) = token_ids[k]`. Order the
+//!   candidates by score descending, exact ties by LOWER global id (a total order). `scores[i,
+//!   j]` and `ids[i, j]` are the `j`-th candidate, `j < 16`. No penalties, temperature,
+//!   top-k/top-p/min-p or other target sampling controls apply.
+//! Shapes. hidden: `[n, H]` BF16; head: `[rows, H]` BF16; token_ids: `[rows]` I32 (indexed
+//!   head only); scores: `[n, 16]` F32; ids: `[n, 16]` I32; workspace: at least
+//!   [`workspace_len`] f32.
+//! Dtypes and rounding. `scores` are the selected FP32 logits (CPU: the f64 dot product
+//!   rounded once; CUDA: FP32 accumulation), not rounded further.
+//! Non-finite values. As [`crate::proposal_argmax`]: the CPU refuses a column whose candidate
+//!   logits contain NaN; CUDA ranks a NaN logit as `-inf` (and stores `-inf` if such a
+//!   candidate is selected).
 //! Caller guarantees. At least 16 candidates (`public_vocab >= 16` for the full head,
-//!   `rows >= 16` for the indexed head; checked on both backends as static shapes).
-//!   Indexed: `token_ids` unique, each in `0..public_vocab` (checked on the CPU; the CUDA path
-//!   only copies them to the output).
-//! Writes. Exactly `scores[0..16n]` and `ids[0..16n]`; inputs are never written.
-//! Accumulation. None (comparisons only).
-//! Comparison. scores: exact (bits); ids: exact.
+//!   `rows >= 16` for the indexed head; checked on both backends as static shapes). `H` a
+//!   multiple of 8 in `8..=65536`. Indexed: `token_ids` unique, each in `0..public_vocab`
+//!   (checked on the CPU; CUDA only copies them to the output).
+//! Writes. Exactly `scores[0..16n]` and `ids[0..16n]`; on CUDA also the first
+//!   [`workspace_len`] elements of `workspace` (scratch). Inputs are never written.
+//! Accumulation. Implementation choice (FP32); the oracle is f64 from the represented inputs.
+//! Comparison. scores: exact (bits); ids: exact, on inputs whose logits are exact in FP32 for
+//!   any summation order (see [`crate::proposal_argmax`]); real-valued inputs are covered by
+//!   the whole-draft-block cases.
+//!
+//! CUDA (kernels/unary_topk.cu, compiled after kernels/proposal_argmax.cu whose fused head
+//! GEMM it shares). Each GEMM block keeps a running top-16 per column in shared memory: after
+//! every 128-row tile the block first finds, per column, the tile's best (warp shuffles, then
+//! the four warps); only columns whose tile best beats their current 16th entry are "hot",
+//! and only then are the tile's logits staged in shared memory (16 columns at a time) for one
+//! warp per hot column to insert candidates best-first until the next no longer beats the
+//! 16th. After the first tiles of a block almost nothing is hot. Each block writes its list
+//! per column; the merge (one block per column) takes the top 16 of the P * 16 partials.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests;
 
-pub use crate::proposal_argmax::ProposalHead;
+use half::bf16;
+
 use crate::proposal_argmax::{
-    HostHead, Mix, OFFICIAL_PUBLIC, OFFICIAL_ROWS, OFFICIAL_SHORTLIST, check_head_params,
-    host_head_inputs, planted_logits,
+    Mix, OFFICIAL_HIDDEN_27B, OFFICIAL_HIDDEN_35B, OFFICIAL_PUBLIC, OFFICIAL_ROWS,
+    OFFICIAL_SHORTLIST, exact_head_inputs, head,
 };
+pub use crate::proposal_argmax::{Params, ProposalHead};
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+use crate::{Backend, Buffer, Element, OpsError, Result, check_len};
 
 /// Registry id.
 pub const OP: &str = "unary_topk";
@@ -45,138 +60,112 @@ pub const OP: &str = "unary_topk";
 /// Candidates kept per column (fixed by the DFlash2 contract).
 pub const TOP_K: usize = 16;
 
-/// Parameters of [`run`] (static shapes: launch scalars on CUDA).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Params {
-    /// Number of logit columns (mask columns over the batch); 0 is a no-op.
-    pub n: usize,
-    /// Logit rows per column (the head's row count, e.g. 248320 or a 131072-row shortlist).
-    pub rows: usize,
-    /// Public vocabulary size: full-head candidates are rows `0..public_vocab`; indexed-head
-    /// ids must lie below it.
-    pub public_vocab: usize,
-    /// Which head.
-    pub head: ProposalHead,
+/// f32 elements the `workspace` of [`run`] must have at least: `n * 1024 * 32` (a top-16
+/// list of (value, id) partials per column for each of at most 1024 GEMM blocks).
+pub fn workspace_len(p: &Params) -> usize {
+    head::workspace_len(p, TOP_K)
 }
 
-/// Select the top-16 candidates of each of `n` logit columns (see the module contract).
+/// Select the top-16 candidates of each of `n` columns (see the module contract).
 /// `token_ids` is `None` for the full head and the `[rows]` map for the indexed head. A
 /// refused call leaves `scores` and `ids` untouched.
 pub fn run(
     be: &Backend,
-    logits: &Buffer<f32>,
+    hidden: &Buffer<bf16>,
+    head_w: &Buffer<bf16>,
     token_ids: Option<&Buffer<i32>>,
     scores: &mut Buffer<f32>,
     ids: &mut Buffer<i32>,
+    workspace: &mut Buffer<f32>,
     params: &Params,
 ) -> Result<()> {
-    let Params {
-        n,
-        rows,
-        public_vocab,
-        head,
-    } = *params;
-    check_head_params(OP, rows, public_vocab, head, token_ids, TOP_K)?;
-    let too_big = || OpsError::Param {
+    head::check(OP, params, hidden, head_w, token_ids, TOP_K)?;
+    let n = params.n;
+    let out_len = n.checked_mul(TOP_K).ok_or_else(|| OpsError::Param {
         op: OP,
         param: "n",
-        expected: "n * rows and n * 16 to fit in usize".into(),
+        expected: "n * 16 to fit in usize".into(),
         found: n.to_string(),
-    };
-    let total = n.checked_mul(rows).ok_or_else(too_big)?;
-    let out_len = n.checked_mul(TOP_K).ok_or_else(too_big)?;
-    check_len(OP, "logits", logits.len(), total, || {
-        format!("[n={n}, rows={rows}]")
     })?;
     check_len(OP, "scores", scores.len(), out_len, || {
         format!("[n={n}, 16]")
     })?;
     check_len(OP, "ids", ids.len(), out_len, || format!("[n={n}, 16]"))?;
-    check_param(OP, "n", n <= i32::MAX as usize, n, || "<= 2^31-1".into())?;
+    head::check_workspace(OP, params, TOP_K, workspace)?;
     if n == 0 {
         return Ok(());
     }
     match be {
         Backend::Cpu => {
-            let HostHead {
-                logits: l,
-                map,
-                considered,
-            } = host_head_inputs(OP, logits, token_ids, rows, public_vocab, head)?;
+            let h = head::host_logits(OP, params, hidden, head_w, token_ids)?;
+            workspace.host(OP, "workspace")?;
             // Both outputs are validated to exist before either is written.
             let s = scores.host_mut(OP, "scores")?;
             let d = ids.host_mut(OP, "ids")?;
-            reference::run(l, map, s, d, rows, considered);
+            reference::run(&h.logits, h.map, s, d, params.rows, h.considered);
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(c) => cuda::run(c, logits, token_ids, scores, ids, params),
+        Backend::Cuda(c) => cuda::run(c, hidden, head_w, token_ids, scores, ids, workspace, params),
     }
-}
-
-/// How a case's logits are made.
-#[derive(Clone, Copy, Debug)]
-enum Fill {
-    /// [`planted_logits`]: quantized values with planted (tied) maxima and a tempting tail.
-    Planted,
-    /// Every logit equal (the top 16 are the 16 lowest candidate ids).
-    AllEqual,
-    /// Few distinct values (multiples of 1/2 in [-2, 2)): the 16th place always falls inside
-    /// a large tie group, so the id tie-break decides most of the list.
-    CoarseTies,
 }
 
 fn case(
     n: usize,
     rows: usize,
+    hidden: usize,
     public_vocab: usize,
-    head: ProposalHead,
-    fill: Fill,
+    kind: ProposalHead,
+    coarse: bool,
     seed: u64,
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let mut mix = Mix(seed);
-        let map = match head {
+        let map = match kind {
             ProposalHead::Full => None,
             ProposalHead::Indexed => Some(mix.distinct_shuffled(public_vocab, rows)),
         };
-        let logits = match fill {
-            Fill::Planted => planted_logits(&mut mix, n, rows, public_vocab, map.as_deref()),
-            Fill::AllEqual => vec![0.75f32; n * rows],
-            Fill::CoarseTies => (0..n * rows)
-                .map(|_| (mix.below(8) as f32 - 4.0) / 2.0)
-                .collect(),
-        };
+        let (x, w) = exact_head_inputs(&mut mix, n, rows, hidden, public_vocab, kind, coarse);
         let mut inputs = InputCheck::default();
-        let l = inputs.upload(be, "logits", &logits)?;
+        let hx = inputs.upload(be, "hidden", &x)?;
+        let hw = inputs.upload(be, "head", &w)?;
         let t = match &map {
             Some(m) => Some(inputs.upload(be, "token_ids", m)?),
             None => None,
         };
-        let mut scores = be.filled(n * TOP_K, f32::POISON)?;
-        let mut ids = be.filled(n * TOP_K, i32::POISON)?;
         let params = Params {
             n,
             rows,
+            hidden,
             public_vocab,
-            head,
+            head: kind,
         };
-        run(be, &l, t.as_ref(), &mut scores, &mut ids, &params)?;
+        let mut scores = be.filled(n * TOP_K, f32::POISON)?;
+        let mut ids = be.filled(n * TOP_K, i32::POISON)?;
+        let mut ws = be.filled(workspace_len(&params), f32::POISON)?;
+        run(
+            be,
+            &hx,
+            &hw,
+            t.as_ref(),
+            &mut scores,
+            &mut ids,
+            &mut ws,
+            &params,
+        )?;
         let mut modified = Vec::new();
-        inputs.verify(be, "logits", &l, &mut modified)?;
+        inputs.verify(be, "hidden", &hx, &mut modified)?;
+        inputs.verify(be, "head", &hw, &mut modified)?;
         if let Some(t) = &t {
             inputs.verify(be, "token_ids", t, &mut modified)?;
         }
-        let mut s = output(
+        let s = output(
             "scores",
             Criterion::Exact,
             &vec![f32::POISON; n * TOP_K],
             &be.download(&scores)?,
             |_| true,
         );
-        // All-equal and coarse fills may put 16 equal values on top: constant scores are legitimate
-        // there (the ids still vary).
-        s.allow_constant = matches!(fill, Fill::AllEqual | Fill::CoarseTies);
         let d = output(
             "ids",
             Criterion::Exact,
@@ -191,77 +180,59 @@ fn case(
     }
 }
 
-/// Conformance cases: official Text head (248320 rows, 248077 public) at 1, 15 and 120
-/// columns, the official 131072-row shortlist with a shuffled map, all-equal and coarse-tie
-/// fills, and small odd shapes.
+/// Conformance cases: the official Text head (248320 rows, 248077 public) with the 27B width
+/// at 7 and 15 columns, 120 columns (the widest column tile) at the 35B width, the official
+/// 131072-row shortlist with a shuffled map, coarse fills with many ties among the 16, and
+/// small odd shapes.
 pub(crate) fn cases() -> Vec<Case> {
-    use Fill::{AllEqual, CoarseTies, Planted};
     use ProposalHead::{Full, Indexed};
+    let (v, pv, sl) = (OFFICIAL_ROWS, OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);
+    let (h35, h27) = (OFFICIAL_HIDDEN_35B, OFFICIAL_HIDDEN_27B);
     vec![
         Case::new(
             OP,
-            "full_small_rows_100_public_77_n9_coarse_ties",
-            case(9, 100, 77, Full, CoarseTies, 1),
+            "full_small_rows_100_public_77_h16_n9_coarse",
+            case(9, 100, 16, 77, Full, true, 1),
         ),
         Case::new(
             OP,
-            "indexed_small_rows_50_public_300_n9_planted",
-            case(9, 50, 300, Indexed, Planted, 2),
+            "indexed_small_rows_50_public_300_h40_n9",
+            case(9, 50, 40, 300, Indexed, false, 2),
         ),
         Case::new(
             OP,
-            "full_official_n1_planted",
-            case(1, OFFICIAL_ROWS, OFFICIAL_PUBLIC, Full, Planted, 3),
-        ),
-        Case::new(
-            OP,
-            "full_official_n15_planted",
-            case(15, OFFICIAL_ROWS, OFFICIAL_PUBLIC, Full, Planted, 4),
-        ),
-        Case::new(
-            OP,
-            "full_official_n120_planted",
-            case(120, OFFICIAL_ROWS, OFFICIAL_PUBLIC, Full, Planted, 5),
+            "full_official_h5120_n7",
+            case(7, v, h27, pv, Full, false, 3),
         )
         .heavy(),
         Case::new(
             OP,
-            "full_official_n15_coarse_ties",
-            case(15, OFFICIAL_ROWS, OFFICIAL_PUBLIC, Full, CoarseTies, 6),
-        ),
+            "full_official_h5120_n15_coarse",
+            case(15, v, h27, pv, Full, true, 4),
+        )
+        .heavy(),
         Case::new(
             OP,
-            "full_official_n15_all_equal",
-            case(15, OFFICIAL_ROWS, OFFICIAL_PUBLIC, Full, AllEqual, 7),
-        ),
+            "full_official_h2048_n120",
+            case(120, v, h35, pv, Full, false, 5),
+        )
+        .heavy(),
         Case::new(
             OP,
-            "indexed_official_shortlist_n15_planted",
-            case(15, OFFICIAL_SHORTLIST, OFFICIAL_PUBLIC, Indexed, Planted, 8),
-        ),
+            "full_official_h2048_n33_coarse",
+            case(33, v, h35, pv, Full, true, 6),
+        )
+        .heavy(),
         Case::new(
             OP,
-            "indexed_official_shortlist_n15_all_equal",
-            case(
-                15,
-                OFFICIAL_SHORTLIST,
-                OFFICIAL_PUBLIC,
-                Indexed,
-                AllEqual,
-                9,
-            ),
-        ),
+            "indexed_official_shortlist_h5120_n15",
+            case(15, sl, h27, pv, Indexed, false, 7),
+        )
+        .heavy(),
         Case::new(
             OP,
-            "indexed_official_shortlist_n120_coarse_ties",
-            case(
-                120,
-                OFFICIAL_SHORTLIST,
-                OFFICIAL_PUBLIC,
-                Indexed,
-                CoarseTies,
-                10,
-            ),
+            "indexed_official_shortlist_h2048_n64_coarse",
+            case(64, sl, h35, pv, Indexed, true, 8),
         )
         .heavy(),
     ]

@@ -1,31 +1,44 @@
 use super::*;
+use crate::proposal_argmax::tests::unit_inputs;
 use proptest::prelude::*;
 
-fn params(n: usize, rows: usize, public_vocab: usize, head: ProposalHead) -> Params {
+fn params(n: usize, rows: usize, hidden: usize, public_vocab: usize, head: ProposalHead) -> Params {
     Params {
         n,
         rows,
+        hidden,
         public_vocab,
         head,
     }
 }
 
-fn topk(logits: &[f32], map: Option<&[i32]>, p: &Params) -> Result<(Vec<f32>, Vec<i32>)> {
+fn topk_inputs(
+    x: &[bf16],
+    w: &[bf16],
+    map: Option<&[i32]>,
+    p: &Params,
+) -> Result<(Vec<f32>, Vec<i32>)> {
     let be = Backend::cpu();
-    let l = be.upload(logits)?;
+    let hx = be.upload(x)?;
+    let hw = be.upload(w)?;
     let t = match map {
         Some(m) => Some(be.upload(m)?),
         None => None,
     };
     let mut s = be.filled(p.n * TOP_K, f32::POISON)?;
     let mut d = be.filled(p.n * TOP_K, i32::POISON)?;
-    run(&be, &l, t.as_ref(), &mut s, &mut d, p)?;
+    let mut ws = be.filled(workspace_len(p), f32::POISON)?;
+    run(&be, &hx, &hw, t.as_ref(), &mut s, &mut d, &mut ws, p)?;
     Ok((be.download(&s)?, be.download(&d)?))
 }
 
+/// Top-16 of the given logits (`[n, rows]`, BF16 values, n <= 8) through the fused op.
+fn topk(logits: &[f32], map: Option<&[i32]>, p: &Params) -> Result<(Vec<f32>, Vec<i32>)> {
+    let (x, w) = unit_inputs(logits, p.n, p.rows);
+    topk_inputs(&x, &w, map, p)
+}
+
 /// Independent recomputation: sort every candidate by (value desc, id asc) in f64, take 16.
-/// Zeros are compared as equal (the generators below never produce -0.0 except where a test
-/// says so).
 fn oracle(
     logits: &[f32],
     map: Option<&[i32]>,
@@ -54,14 +67,14 @@ fn oracle(
 
 #[test]
 fn full_head_top16_is_sorted_with_ties_to_lower_ids_and_ignores_the_tail() {
-    // 24 rows, 20 public. Values: row v holds (v % 5) as f32, with row 3 = 10 and the tail
-    // rows 20..24 = 100 (must be ignored).
+    // 24 rows, 20 public. Values: row v holds (v % 5), with row 3 = 10 and the tail rows
+    // 20..24 = 100 (must be ignored).
     let mut l: Vec<f32> = (0..24).map(|v| (v % 5) as f32).collect();
     l[3] = 10.0;
     for x in &mut l[20..] {
         *x = 100.0;
     }
-    let (s, d) = topk(&l, None, &params(1, 24, 20, ProposalHead::Full)).expect("run");
+    let (s, d) = topk(&l, None, &params(1, 24, 8, 20, ProposalHead::Full)).expect("run");
     // 10 (id 3), then the 4s: ids 4, 9, 14, 19; the 3s: 8, 13, 18; the 2s: 2, 7, 12, 17;
     // the 1s: 1, 6, 11, 16 (the 0s 0, 5, 10, 15 are cut).
     assert_eq!(
@@ -77,29 +90,26 @@ fn full_head_top16_is_sorted_with_ties_to_lower_ids_and_ignores_the_tail() {
 }
 
 #[test]
-fn indexed_head_orders_ties_by_global_id_and_keeps_score_bits() {
+fn indexed_head_orders_ties_by_global_id() {
     // 18 shortlist rows whose ids run backwards (row k -> 100 - 3k): with all scores equal
     // the winners are the 16 LOWEST global ids, i.e. the LAST 16 rows.
     let map: Vec<i32> = (0..18).map(|k| 100 - 3 * k).collect();
     let l = vec![0.5f32; 18];
-    let (s, d) = topk(&l, Some(&map), &params(1, 18, 101, ProposalHead::Indexed)).expect("run");
+    let p = params(1, 18, 8, 101, ProposalHead::Indexed);
+    let (s, d) = topk(&l, Some(&map), &p).expect("run");
     let want: Vec<i32> = (2..18).rev().map(|k| 100 - 3 * k).collect();
     assert_eq!(d, want);
     assert_eq!(s, vec![0.5; 16]);
-    // -0.0 and +0.0 tie (lower id first) and keep their own bits; -inf and +inf are ordinary.
+    // A large value beats every tie group; the most negative is cut.
     let mut l = vec![-1.0f32; 18];
-    l[0] = -0.0; // id 100
+    l[0] = 0.0; // id 100
     l[17] = 0.0; // id 49
-    l[5] = f32::INFINITY; // id 85
-    l[6] = f32::NEG_INFINITY; // id 82
-    let (s, d) = topk(&l, Some(&map), &params(1, 18, 101, ProposalHead::Indexed)).expect("run");
+    l[5] = 64.0; // id 85
+    l[6] = -64.0; // id 82
+    let (s, d) = topk(&l, Some(&map), &p).expect("run");
     assert_eq!(&d[..3], &[85, 49, 100]);
-    assert_eq!(s[0], f32::INFINITY);
-    assert_eq!(
-        (s[1].to_bits(), s[2].to_bits()),
-        (0.0f32.to_bits(), (-0.0f32).to_bits())
-    );
-    assert!(!d.contains(&82), "-inf is last and cut");
+    assert_eq!(&s[..3], &[64.0, 0.0, 0.0]);
+    assert!(!d.contains(&82), "the lowest is last and cut");
 }
 
 #[test]
@@ -107,7 +117,7 @@ fn all_equal_scores_give_the_lowest_ids() {
     let (s, d) = topk(
         &[2.5f32; 3 * 40],
         None,
-        &params(3, 40, 33, ProposalHead::Full),
+        &params(3, 40, 8, 33, ProposalHead::Full),
     )
     .expect("run");
     assert_eq!(d, (0..3).flat_map(|_| 0..16).collect::<Vec<i32>>());
@@ -117,55 +127,39 @@ fn all_equal_scores_give_the_lowest_ids() {
 #[test]
 fn nan_and_bad_maps_are_refused_without_writing() {
     let be = Backend::cpu();
-    let mut l = vec![0.0f32; 2 * 20];
-    l[20 + 19] = f32::NAN; // tail of row 1 with public 19: allowed
+    let (x, mut w) = unit_inputs(&[0.0f32; 2 * 20], 2, 20);
+    // Row 19 (the tail with public 19): a NaN there makes row 19's logit NaN in every column
+    // (NaN * 0 = NaN), which is allowed while the row is not a candidate.
+    w[19 * 8 + 1] = bf16::NAN;
+    let hx = be.upload(&x).expect("upload");
+    let mut hw = be.upload(&w).expect("upload");
     let mut s = be.filled(32, f32::POISON).expect("alloc");
     let mut d = be.filled(32, i32::POISON).expect("alloc");
-    let lb = be.upload(&l).expect("upload");
-    run(
-        &be,
-        &lb,
-        None,
-        &mut s,
-        &mut d,
-        &params(2, 20, 19, ProposalHead::Full),
-    )
-    .expect("tail NaN ok");
+    let p19 = params(2, 20, 8, 19, ProposalHead::Full);
+    let mut ws = be.filled(workspace_len(&p19), 0f32).expect("alloc");
+    run(&be, &hx, &hw, None, &mut s, &mut d, &mut ws, &p19).expect("tail NaN ok");
     be.fill(&mut s, f32::POISON).expect("fill");
     be.fill(&mut d, i32::POISON).expect("fill");
-    let e = run(
-        &be,
-        &lb,
-        None,
-        &mut s,
-        &mut d,
-        &params(2, 20, 20, ProposalHead::Full),
-    )
-    .expect_err("public NaN");
+    let p20 = params(2, 20, 8, 20, ProposalHead::Full);
+    let e = run(&be, &hx, &hw, None, &mut s, &mut d, &mut ws, &p20).expect_err("public NaN");
     assert!(
         matches!(
             e,
             OpsError::Value {
-                tensor: "logits",
-                index: 39,
+                tensor: "hidden",
+                index: 0,
                 ..
             }
         ),
         "{e}"
     );
+    w[19 * 8 + 1] = bf16::ZERO;
+    hw = be.upload(&w).expect("upload");
     let mut map: Vec<i32> = (0..20).collect();
     map[7] = 3;
     let t = be.upload(&map).expect("upload");
-    let l0 = be.upload(&[0.0f32; 40]).expect("upload");
-    let e = run(
-        &be,
-        &l0,
-        Some(&t),
-        &mut s,
-        &mut d,
-        &params(2, 20, 20, ProposalHead::Indexed),
-    )
-    .expect_err("duplicate id");
+    let pi = params(2, 20, 8, 20, ProposalHead::Indexed);
+    let e = run(&be, &hx, &hw, Some(&t), &mut s, &mut d, &mut ws, &pi).expect_err("duplicate id");
     assert!(
         matches!(
             e,
@@ -194,18 +188,13 @@ fn nan_and_bad_maps_are_refused_without_writing() {
 #[test]
 fn fewer_than_16_candidates_and_bad_lengths_are_refused() {
     let be = Backend::cpu();
-    let l = be.upload(&[0.0f32; 20]).expect("upload");
+    let hx = be.upload(&[bf16::ONE; 8]).expect("upload");
+    let hw = be.upload(&[bf16::ONE; 20 * 8]).expect("upload");
     let mut s = be.filled(16, f32::POISON).expect("alloc");
     let mut d = be.filled(16, i32::POISON).expect("alloc");
-    let e = run(
-        &be,
-        &l,
-        None,
-        &mut s,
-        &mut d,
-        &params(1, 20, 15, ProposalHead::Full),
-    )
-    .expect_err("15 public");
+    let p = params(1, 20, 8, 15, ProposalHead::Full);
+    let mut ws = be.filled(workspace_len(&p), 0f32).expect("alloc");
+    let e = run(&be, &hx, &hw, None, &mut s, &mut d, &mut ws, &p).expect_err("15 public");
     assert!(
         matches!(
             e,
@@ -216,34 +205,32 @@ fn fewer_than_16_candidates_and_bad_lengths_are_refused() {
         ),
         "{e}"
     );
-    let l15 = be.upload(&[0.0f32; 15]).expect("upload");
+    let hw15 = be.upload(&[bf16::ONE; 15 * 8]).expect("upload");
     let t = be.upload(&(0..15).collect::<Vec<i32>>()).expect("upload");
-    let e = run(
-        &be,
-        &l15,
-        Some(&t),
-        &mut s,
-        &mut d,
-        &params(1, 15, 99, ProposalHead::Indexed),
-    )
-    .expect_err("15 rows");
+    let p = params(1, 15, 8, 99, ProposalHead::Indexed);
+    let e = run(&be, &hx, &hw15, Some(&t), &mut s, &mut d, &mut ws, &p).expect_err("15 rows");
     assert!(matches!(e, OpsError::Param { param: "rows", .. }), "{e}");
     let mut short = be.filled(15, i32::POISON).expect("alloc");
-    let e = run(
-        &be,
-        &l,
-        None,
-        &mut s,
-        &mut short,
-        &params(1, 20, 20, ProposalHead::Full),
-    )
-    .expect_err("ids short");
+    let p = params(1, 20, 8, 20, ProposalHead::Full);
+    let e = run(&be, &hx, &hw, None, &mut s, &mut short, &mut ws, &p).expect_err("ids short");
     assert!(
         matches!(
             e,
             OpsError::Length {
                 tensor: "ids",
                 expected: 16,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut small_ws = be.filled(workspace_len(&p) - 1, 0f32).expect("alloc");
+    let e = run(&be, &hx, &hw, None, &mut s, &mut d, &mut small_ws, &p).expect_err("ws");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "workspace",
                 ..
             }
         ),
@@ -258,29 +245,33 @@ fn fewer_than_16_candidates_and_bad_lengths_are_refused() {
 }
 
 #[test]
-fn planted_official_shortlist_shape_matches_the_oracle() {
-    // One column at the official shortlist size: the planted reverse-ordered tie and the
-    // shuffled map exercise the id tie-break at full scale.
+fn exact_fixture_at_the_official_shortlist_shape_matches_the_oracle() {
+    // Two columns at the official shortlist size with a shuffled map: the planted twins tie
+    // exactly and the lower GLOBAL id must come first, whichever shortlist row holds it.
     let mut mix = Mix(5);
-    let map = mix.distinct_shuffled(OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);
-    let l = planted_logits(&mut mix, 3, OFFICIAL_SHORTLIST, OFFICIAL_PUBLIC, Some(&map));
-    let p = params(
-        3,
-        OFFICIAL_SHORTLIST,
+    let (n, rows, h) = (2, OFFICIAL_SHORTLIST, 512);
+    let map = mix.distinct_shuffled(OFFICIAL_PUBLIC, rows);
+    let (x, w) = exact_head_inputs(
+        &mut mix,
+        n,
+        rows,
+        h,
         OFFICIAL_PUBLIC,
         ProposalHead::Indexed,
+        false,
     );
-    let got = topk(&l, Some(&map), &p).expect("run");
-    assert_eq!(
-        got,
-        oracle(&l, Some(&map), OFFICIAL_SHORTLIST, OFFICIAL_SHORTLIST)
-    );
-    // Column 2's planted tie: the later row has the lower id and must come first.
-    let row = &l[2 * OFFICIAL_SHORTLIST..3 * OFFICIAL_SHORTLIST];
-    let at: Vec<usize> = (0..row.len()).filter(|&k| row[k] == got.0[32]).collect();
-    assert_eq!(at.len(), 2);
-    assert!(map[at[0]] > map[at[1]]);
-    assert_eq!(got.1[32..34], [map[at[1]], map[at[0]]]);
+    let mut logits = vec![0f32; n * rows];
+    crate::gemm::reference::run_f32(&x, &w, &mut logits, n, rows, h);
+    let p = params(n, rows, h, OFFICIAL_PUBLIC, ProposalHead::Indexed);
+    let got = topk_inputs(&x, &w, Some(&map), &p).expect("run");
+    assert_eq!(got, oracle(&logits, Some(&map), rows, rows));
+    for i in 0..n {
+        // The first six are the planted twins at three levels, each pair tied.
+        let s = &got.0[i * TOP_K..i * TOP_K + 6];
+        assert!(s[0] == s[1] && s[2] == s[3] && s[4] == s[5] && s[1] > s[2] && s[3] > s[4]);
+        let ids = &got.1[i * TOP_K..i * TOP_K + 6];
+        assert!(ids[0] < ids[1] && ids[2] < ids[3] && ids[4] < ids[5]);
+    }
 }
 
 proptest! {
@@ -301,12 +292,39 @@ proptest! {
         if indexed_head {
             let public_vocab = rows + extra;
             let map = mix.distinct_shuffled(public_vocab, rows);
-            let p = params(n, rows, public_vocab, ProposalHead::Indexed);
+            let p = params(n, rows, 8, public_vocab, ProposalHead::Indexed);
             prop_assert_eq!(topk(&logits, Some(&map), &p).expect("run"), oracle(&logits, Some(&map), rows, rows));
         } else {
             let public_vocab = 16 + extra % (rows - 15);
-            let p = params(n, rows, public_vocab, ProposalHead::Full);
+            let p = params(n, rows, 8, public_vocab, ProposalHead::Full);
             prop_assert_eq!(topk(&logits, None, &p).expect("run"), oracle(&logits, None, rows, public_vocab));
         }
+    }
+
+    /// Random exact-data GEMMs (the conformance generator at small sizes) against the
+    /// oracle over the f64 logits.
+    #[test]
+    fn fused_top16_matches_the_f64_logits(
+        n in 1usize..8,
+        rows in 16usize..300,
+        h8 in 1usize..10,
+        coarse in any::<bool>(),
+        indexed_head in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let h = 8 * h8;
+        let mut mix = Mix(seed);
+        let (kind, public) = if indexed_head {
+            (ProposalHead::Indexed, rows + 7)
+        } else {
+            (ProposalHead::Full, 16 + (rows - 16) * 3 / 4)
+        };
+        let map = indexed_head.then(|| mix.distinct_shuffled(public, rows));
+        let (x, w) = exact_head_inputs(&mut mix, n, rows, h, public, kind, coarse);
+        let exact = crate::gemm::reference::matmul_f64(&x, &w, n, rows, h);
+        let logits: Vec<f32> = exact.iter().map(|&v| v as f32).collect();
+        let considered = if indexed_head { rows } else { public };
+        let got = topk_inputs(&x, &w, map.as_deref(), &params(n, rows, h, public, kind)).expect("run");
+        prop_assert_eq!(got, oracle(&logits, map.as_deref(), rows, considered));
     }
 }
