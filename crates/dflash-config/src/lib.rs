@@ -19,7 +19,9 @@
 //! ```
 //!
 //! Flow: [`DraftConfig::from_json_str`] and [`TargetTextConfig::from_json_str`] parse each file
-//! on its own; [`validate_pair`] cross-checks them and returns the [`Geometry`];
+//! on its own (a draft config's fields are classified by one table, [`draft_field_class`]:
+//! parsed, harmless, math-changing and refused unless neutral, or unknown and returned in the
+//! [`Parsed`] report with the parser's [`ConfigNote`]s); [`validate_pair`] cross-checks them and returns the [`Geometry`];
 //! [`StartupOptions::validate`] checks the startup choices against that geometry. Every failure
 //! is a [`ConfigError`] that names the JSON path (or `startup.<option>`) and what was expected.
 //! Nothing in this crate panics on any input.
@@ -27,6 +29,7 @@
 mod draft;
 mod error;
 pub mod examples;
+mod fields;
 mod geometry;
 mod json;
 mod startup;
@@ -37,8 +40,9 @@ pub use draft::{
     legacy_target_layer_ids,
 };
 pub use error::{ConfigError, Result};
+pub use fields::{FieldClass, Neutral, draft_field_class};
 pub use geometry::{Geometry, LayerKind, TransientSizes, validate_pair};
-pub use json::{ParseMode, Parsed, UnknownField};
+pub use json::{ConfigNote, ParseMode, Parsed, UnknownField};
 pub use startup::{
     MAX_CONCURRENCY, MAX_DRAFT_COUNT, MAX_TREE_NODES, ProposalHead, Startup, StartupOptions,
 };
