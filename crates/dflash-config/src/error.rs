@@ -297,6 +297,16 @@ pub enum ConfigError {
         found: u32,
     },
 
+    /// A sampling temperature is NaN, infinite or negative (the rule: finite and >= 0, 0 is
+    /// greedy; [`crate::check_temperature`]).
+    #[error("`{path}`: expected {rule}, found {found}", rule = crate::TEMPERATURE_RULE)]
+    InvalidTemperature {
+        /// The option, flag or field as the user wrote it (`--temperature`, `temperature`).
+        path: String,
+        /// The value found (`NaN`, `inf`, `-1`).
+        found: String,
+    },
+
     /// A derived size does not fit in 64 bits (only reachable with absurd dimensions).
     #[error("`{path}`: derived size overflows 64 bits")]
     SizeOverflow {
@@ -335,6 +345,7 @@ impl ConfigError {
             | Self::PublicVocabUnknown { path }
             | Self::BackendMismatch { path, .. }
             | Self::TreeNeedsDFlash2 { path, .. }
+            | Self::InvalidTemperature { path, .. }
             | Self::SizeOverflow { path } => path,
         }
     }

@@ -21,10 +21,11 @@
 //! Flow: [`DraftConfig::from_json_str`] and [`TargetTextConfig::from_json_str`] parse each file
 //! on its own (a draft config's fields are classified by one table, [`draft_field_class`]:
 //! parsed, harmless, math-changing and refused unless neutral, or unknown and returned in the
-//! [`Parsed`] report with the parser's [`ConfigNote`]s); [`validate_pair`] cross-checks them and returns the [`Geometry`];
-//! [`StartupOptions::validate`] checks the startup choices against that geometry. Every failure
-//! is a [`ConfigError`] that names the JSON path (or `startup.<option>`) and what was expected.
-//! Nothing in this crate panics on any input.
+//! [`Parsed`] report with the parser's [`ConfigNote`]s); [`validate_pair`] cross-checks them
+//! and returns the [`Geometry`]; [`StartupOptions::validate`] checks the startup choices
+//! against that geometry. Every failure is a [`ConfigError`] that names the JSON path (or
+//! `startup.<option>`) and what was expected. [`check_temperature`] is the one temperature
+//! rule of every crate and tool. Nothing in this crate panics on any input.
 
 mod draft;
 mod error;
@@ -34,6 +35,7 @@ mod geometry;
 mod json;
 mod startup;
 mod target;
+mod temperature;
 
 pub use draft::{
     AttentionType, Backend, DFlash2Params, DraftConfig, MAX_DRAFT_LAYERS, TargetLayerIdsSource,
@@ -47,3 +49,4 @@ pub use startup::{
     MAX_CONCURRENCY, MAX_DRAFT_COUNT, MAX_TREE_NODES, ProposalHead, Startup, StartupOptions,
 };
 pub use target::{TargetTextConfig, count_tokenizer_vocab};
+pub use temperature::{TEMPERATURE_RULE, check_temperature, is_valid_temperature};
