@@ -18,6 +18,34 @@ pub enum DraftError {
         #[source]
         source: std::io::Error,
     },
+    /// A file could not be written (the inspection tool's output, a generated inputs file).
+    #[error("cannot write {path}: {message}")]
+    Write {
+        /// The file.
+        path: String,
+        /// The operating system's (or serializer's) error.
+        message: String,
+    },
+    /// A draft `config.json` is invalid or does not fit the target; `path` names the file,
+    /// `source` the field.
+    #[error("{path}: {source}")]
+    ConfigFile {
+        /// The config file.
+        path: String,
+        /// What is wrong, at which JSON path.
+        source: ConfigError,
+    },
+    /// A command-line argument of the inspection tool is missing, repeated, unknown or
+    /// malformed.
+    #[error("`{flag}`: expected {expected}, found {found}")]
+    Argument {
+        /// The flag as the user typed it (`--model`, `--mask-token-id`).
+        flag: String,
+        /// What is accepted.
+        expected: String,
+        /// What was given.
+        found: String,
+    },
     /// A safetensors file is malformed (header, offsets, dtype tags).
     #[error("{path}: not a valid safetensors file: {message}")]
     Safetensors {
