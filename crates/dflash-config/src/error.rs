@@ -15,7 +15,7 @@ use thiserror::Error;
 #[non_exhaustive]
 pub enum ConfigError {
     /// The text is not JSON (syntax error, truncated text, a number outside the f64 range).
-    #[error("`{path}`: invalid JSON at line {line}, column {column}: {message}")]
+    #[error("invalid JSON at line {line}, column {column}: {message}")]
     Json {
         /// Always empty: the document itself.
         path: String,
@@ -23,7 +23,8 @@ pub enum ConfigError {
         line: usize,
         /// 1-based column of the syntax error.
         column: usize,
-        /// The JSON parser's description.
+        /// The JSON parser's description (without its position, which `line` and `column`
+        /// give).
         message: String,
     },
 
@@ -38,7 +39,7 @@ pub enum ConfigError {
 
     /// A field has the wrong JSON type (a string where a number belongs, a float where an
     /// integer belongs, ...).
-    #[error("`{path}`: expected {expected}, found {found}")]
+    #[error("{}: expected {expected}, found {found}", shown(path))]
     WrongType {
         /// The field.
         path: String,
@@ -313,6 +314,15 @@ pub enum ConfigError {
         /// The derived quantity, e.g. `geometry.ring_image_bytes`.
         path: String,
     },
+}
+
+/// A path as messages show it: in backticks, or "the document" for the root.
+fn shown(path: &str) -> String {
+    if path.is_empty() {
+        "the document".to_owned()
+    } else {
+        format!("`{path}`")
+    }
 }
 
 impl ConfigError {

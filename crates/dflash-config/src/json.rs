@@ -64,11 +64,15 @@ pub struct Parsed<T> {
 }
 
 pub(crate) fn parse_document(text: &str) -> Result<Value> {
-    serde_json::from_str(text).map_err(|e| ConfigError::Json {
-        path: String::new(),
-        line: e.line(),
-        column: e.column(),
-        message: e.to_string(),
+    serde_json::from_str(text).map_err(|e| {
+        let full = e.to_string();
+        let position = format!(" at line {} column {}", e.line(), e.column());
+        ConfigError::Json {
+            path: String::new(),
+            line: e.line(),
+            column: e.column(),
+            message: full.strip_suffix(&position).unwrap_or(&full).to_owned(),
+        }
     })
 }
 

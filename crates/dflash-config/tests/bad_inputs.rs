@@ -614,11 +614,13 @@ fn every_bad_input_fails_with_its_variant_and_path() {
         };
         assert!((c.check)(&err), "{}: wrong variant: {err:?}", c.name);
         assert_eq!(err.path(), c.path, "{}: wrong path: {err:?}", c.name);
-        assert!(
-            err.to_string().contains(&format!("`{}`", c.path)),
-            "{}: message does not name the path: {err}",
-            c.name
-        );
+        let named = if c.path.is_empty() {
+            let s = err.to_string();
+            s.starts_with("invalid JSON at line ") || s.starts_with("the document: ")
+        } else {
+            err.to_string().contains(&format!("`{}`", c.path))
+        };
+        assert!(named, "{}: message does not name the path: {err}", c.name);
     }
 }
 
