@@ -255,7 +255,8 @@ impl TinySpec {
         }
     }
 
-    /// The draft `config.json` text (nested layout).
+    /// The draft `config.json` text (nested layout; `is_causal: false` and, with sliding
+    /// layers, `use_sliding_window: true` stated as the published configs do).
     pub fn draft_config_json(&self) -> String {
         let types: Vec<&str> = self
             .layers
@@ -294,12 +295,14 @@ impl TinySpec {
             "layer_types": types,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10_000_000.0,
+            "is_causal": false,
             "dflash_config": dcfg,
         });
         if self.layers.contains(&AttentionType::Sliding)
             && let Some(o) = v.as_object_mut()
         {
             o.insert("sliding_window".into(), self.window.into());
+            o.insert("use_sliding_window".into(), true.into());
         }
         serde_json::to_string_pretty(&v).unwrap_or_default()
     }
