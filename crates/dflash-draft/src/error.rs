@@ -33,7 +33,7 @@ pub enum DraftError {
         /// The config file.
         path: String,
         /// What is wrong, at which JSON path.
-        source: ConfigError,
+        source: Box<ConfigError>,
     },
     /// A command-line argument of the inspection tool is missing, repeated, unknown or
     /// malformed.

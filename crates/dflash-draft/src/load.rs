@@ -48,7 +48,7 @@ impl ConfigReport {
 pub fn config_file_error(path: &Path, source: ConfigError) -> DraftError {
     DraftError::ConfigFile {
         path: path.display().to_string(),
-        source,
+        source: Box::new(source),
     }
 }
 

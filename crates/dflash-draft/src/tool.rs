@@ -122,7 +122,7 @@ pub fn parse_args(args: &[String]) -> Result<ProposeArgs> {
             other => {
                 return Err(arg_error(
                     other,
-                    format!("one of the flags of `{USAGE}`"),
+                    "a propose flag (`propose --help` lists them)",
                     "an unknown argument",
                 ));
             }

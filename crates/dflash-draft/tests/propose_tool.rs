@@ -405,13 +405,8 @@ fn unknown_config_fields_are_reported_and_refused_in_strict_mode() {
     assert!(w[1].contains("`dflash_config.other_knob` = true"), "{w:?}");
     let e = tool::prepare(&args(&model, &inputs, &out, &["--strict"])).expect_err("strict");
     assert!(
-        matches!(
-            &e,
-            DraftError::ConfigFile {
-                source: dflash_config::ConfigError::UnknownFields { .. },
-                ..
-            }
-        ),
+        matches!(&e, DraftError::ConfigFile { source, .. }
+            if matches!(**source, dflash_config::ConfigError::UnknownFields { .. })),
         "{e:?}"
     );
     assert!(
