@@ -94,15 +94,7 @@ fn run_tool(
     let inputs = dir.join("inputs.safetensors");
     Inputs::new(&spec, t, k, temp).write(&inputs);
     let out = dir.join("out.safetensors");
-    let args = tool::parse_args(&[
-        "--model".into(),
-        model.display().to_string(),
-        "--inputs".into(),
-        inputs.display().to_string(),
-        "--out".into(),
-        out.display().to_string(),
-    ])
-    .expect("args");
+    let args = args(&model, &inputs, &out, &[]);
     assert_eq!(args.device, Device::Cpu);
     tool::run(&args).expect("tool run");
     let b = std::fs::read(&out).expect("read out");
