@@ -187,6 +187,29 @@ impl DraftError {
         }
     }
 
+    /// [`DraftError::Write`] for `path`.
+    pub(crate) fn write(
+        path: impl AsRef<std::path::Path>,
+        message: impl std::fmt::Display,
+    ) -> Self {
+        DraftError::Write {
+            path: path.as_ref().display().to_string(),
+            message: message.to_string(),
+        }
+    }
+
+    /// [`DraftError::Write`] for a failed safetensors serialization to `path` (an I/O error
+    /// is shown as the operating system's message).
+    pub(crate) fn serialize(
+        path: impl AsRef<std::path::Path>,
+        e: safetensors::SafeTensorError,
+    ) -> Self {
+        match e {
+            safetensors::SafeTensorError::IoError(io) => Self::write(path, io),
+            other => Self::write(path, other),
+        }
+    }
+
     pub(crate) fn invalid(
         what: impl Into<String>,
         expected: impl Into<String>,

@@ -406,29 +406,21 @@ pub fn synthetic_inputs(
 /// over `path` once complete, so a failure never leaves a partial file at `path`. Errors are
 /// [`DraftError::Write`] naming `path`.
 fn write_safetensors<V: View>(path: &Path, tensors: Vec<(String, V)>) -> Result<()> {
-    let fail = |message: String| DraftError::Write {
-        path: path.display().to_string(),
-        message,
-    };
     let name = path
         .file_name()
-        .ok_or_else(|| fail("the path names no file".to_owned()))?;
+        .ok_or_else(|| DraftError::write(path, "the path names no file"))?;
     let mut tmp_name = std::ffi::OsString::from(".");
     tmp_name.push(name);
     tmp_name.push(format!(".{}.partial", std::process::id()));
     let tmp = path.with_file_name(tmp_name);
     let written = safetensors::serialize_to_file(tensors, None, &tmp)
-        .map_err(|e| match e {
-            safetensors::SafeTensorError::IoError(io) => io.to_string(),
-            other => other.to_string(),
-        })
-        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| e.to_string()));
-    if let Err(message) = written {
+        .map_err(|e| DraftError::serialize(path, e))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| DraftError::write(path, e)));
+    if written.is_err() {
         // Best effort: the temporary file may not exist (creating it is what failed).
         let _ = std::fs::remove_file(&tmp);
-        return Err(fail(message));
     }
-    Ok(())
+    written
 }
 
 /// Write `inputs` as an inputs file at `path` (the format [`parse_inputs`] reads).
@@ -470,10 +462,7 @@ pub fn write_inputs(path: &Path, inputs: &ToolInputs) -> Result<()> {
         .map(|(name, dtype, shape, data)| {
             TensorView::new(dtype, shape, data)
                 .map(|view| (name.to_owned(), view))
-                .map_err(|e| DraftError::Write {
-                    path: path.display().to_string(),
-                    message: format!("tensor `{name}`: {e}"),
-                })
+                .map_err(|e| DraftError::write(path, format!("tensor `{name}`: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
     write_safetensors(path, views)

@@ -476,5 +476,22 @@ fn failed_output_write_says_cannot_write_and_leaves_no_file() {
     assert!(e.to_string().starts_with("cannot write "), "{e}");
     let left: Vec<_> = std::fs::read_dir(&dir).expect("ls").collect();
     assert_eq!(left.len(), 1, "only the directory remains: {left:?}");
+    // The fixture writers say the same: a checkpoint or an inputs file under a plain file.
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"x").expect("file");
+    let (cfg, target) = synthetic::tiny_pair(&TinySpec::dflash());
+    let under = file.join("ckpt");
+    let e = synthetic::write_checkpoint(&under, &cfg, &target, 1, Layout::Single)
+        .expect_err("not a directory");
+    assert!(
+        e.to_string()
+            .starts_with(&format!("cannot write {}: ", under.display())),
+        "{e}"
+    );
+    let g = synthetic::write_checkpoint(&dir.join("ok"), &cfg, &target, 1, Layout::Single)
+        .expect("checkpoint");
+    let inp = tool::synthetic_inputs(&g, 72, 2, 2, 1);
+    let e = tool::write_inputs(&file.join("in.safetensors"), &inp).expect_err("not a directory");
+    assert!(e.to_string().starts_with("cannot write "), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
