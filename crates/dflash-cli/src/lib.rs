@@ -10,7 +10,9 @@
 //! `[1, 4, 6]` and mask token 503 (a padding row of the target's embedding).
 //!
 //! [`shadow::ShadowProposer`] is a proposer over a private copy of the target (the oracle the
-//! tests and `dflash --oracle` use to drive long acceptances).
+//! tests and `dflash --oracle` use to drive long acceptances). [`args`] is the `dflash` command
+//! line and its run plan, checked before anything runs; [`check_run_size`] bounds `--prompts`
+//! and `--max-new` by the run's memory plan.
 
 #![deny(missing_docs)]
 
