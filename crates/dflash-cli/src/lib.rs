@@ -10,15 +10,18 @@
 //! `[1, 4, 6]` and mask token 503 (a padding row of the target's embedding).
 //!
 //! [`shadow::ShadowProposer`] is a proposer over a private copy of the target (the oracle the
-//! tests and `dflash --oracle` use to drive long acceptances).
+//! tests and `dflash --oracle` use to drive long acceptances). [`args`] is the `dflash` command
+//! line and its run plan, checked before anything runs; [`check_run_size`] bounds `--prompts`
+//! and `--max-new` by the run's memory plan.
 
 #![deny(missing_docs)]
 
+pub mod args;
 pub mod shadow;
 
 use std::path::{Path, PathBuf};
 
-use dflash_config::{AttentionType, Backend as DraftBackend};
+use dflash_config::{AttentionType, Backend as DraftBackend, ParseMode, TargetTextConfig};
 use dflash_draft::synthetic::{self, Layout, TinySpec};
 use dflash_draft::{BindOptions, DraftError, DraftModel};
 use dflash_engine::{DraftHead, DraftTargetParts, EngineError, RowReport, StepReport};
@@ -35,9 +38,64 @@ pub const TARGET_SEED: u64 = 0x00d1_a5e5;
 /// Seed of the synthetic draft's weights.
 pub const DRAFT_SEED: u64 = 0x0dfa_2002;
 
-/// Everything that can go wrong while building the embedded default.
+/// Everything that can go wrong in the `dflash` command's library: a refused flag or file,
+/// a run too large for its memory plan, building the embedded default.
 #[derive(Debug, thiserror::Error)]
 pub enum HarnessError {
+    /// A command-line flag is unknown, repeated, missing its value or out of range.
+    #[error("`{flag}`: expected {expected}, found {found}")]
+    Flag {
+        /// The flag as the user typed it (`--k`, `--temperature`).
+        flag: String,
+        /// What is accepted.
+        expected: String,
+        /// What was given.
+        found: String,
+    },
+    /// A startup option refused by the config crate, reported under the flag that set it.
+    #[error("{}", startup_message(flag, source))]
+    Startup {
+        /// The flag (`--backend`, `--mask-token-id`, `--k`, `--b`).
+        flag: &'static str,
+        /// The refusal, whose path (`startup.<option>`) the message replaces by the flag.
+        source: dflash_config::ConfigError,
+    },
+    /// A file named on the command line could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// `--max-new` exceeds what the reference target can hold after the longest demo prompt.
+    #[error(
+        "`--max-new`: expected 1..={max} (the reference target holds {positions} positions and a demo prompt has up to {MAX_DEMO_PROMPT_TOKENS} tokens), found {found}"
+    )]
+    MaxNewTooLarge {
+        /// The value given.
+        found: usize,
+        /// The largest accepted value.
+        max: usize,
+        /// The target's positions.
+        positions: usize,
+    },
+    /// `--prompts` asks for more requests than the run's host memory plan admits.
+    #[error(
+        "`--prompts`: expected 1..={max} (the run's memory plan admits {max} requests of up to {MAX_DEMO_PROMPT_TOKENS} + {max_new} tokens, {per_request} bytes each, in its {budget}-byte host budget), found {found}"
+    )]
+    TooManyPrompts {
+        /// The value given.
+        found: usize,
+        /// The largest accepted value for this `--max-new`.
+        max: usize,
+        /// `--max-new`.
+        max_new: usize,
+        /// Host bytes one request may hold ([`request_host_bytes`]).
+        per_request: u64,
+        /// [`HOST_MEMORY_BUDGET`].
+        budget: u64,
+    },
     /// A scratch file or directory could not be made.
     #[error("{path}: {source}")]
     Io {
@@ -71,9 +129,94 @@ pub enum HarnessError {
 /// Result alias of the harness.
 pub type Result<T, E = HarnessError> = std::result::Result<T, E>;
 
+fn startup_message(flag: &str, source: &dflash_config::ConfigError) -> String {
+    let text = source.to_string();
+    let path = format!("`{}`", source.path());
+    text.replacen(&path, &format!("`{flag}`"), 1)
+}
+
+impl HarnessError {
+    /// The `dflash` binary's exit status for this error: 2 when a flag or a file was refused
+    /// before anything ran, 1 when building or running the job failed.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::Flag { .. }
+            | Self::Startup { .. }
+            | Self::Read { .. }
+            | Self::MaxNewTooLarge { .. }
+            | Self::TooManyPrompts { .. }
+            | Self::Draft(DraftError::ConfigFile { .. }) => 2,
+            _ => 1,
+        }
+    }
+}
+
 /// The target geometry of the embedded default.
 pub fn target_geometry() -> TargetGeometry {
     TargetGeometry::tiny()
+}
+
+/// The reference target's text config as the draft sees it (H, blocks, rows, EOS, public
+/// vocabulary): every draft config of the main job is validated against it.
+pub fn target_text_config() -> TargetTextConfig {
+    let g = target_geometry();
+    TargetTextConfig {
+        model_type: None,
+        hidden_size: g.hidden as u32,
+        num_hidden_layers: g.layers() as u32,
+        vocab_size: g.vocab_rows as u32,
+        eos_token_ids: vec![g.eos_token_id],
+        public_vocab_size: Some(g.public_vocab as u32),
+    }
+}
+
+/// Tokens of the longest demo prompt ([`demo_prompts`] makes 6 to 20).
+pub const MAX_DEMO_PROMPT_TOKENS: usize = 20;
+
+/// Host bytes the main job may plan for its requests (prompts, requests, published outputs
+/// and the plain-decoding baseline).
+pub const HOST_MEMORY_BUDGET: u64 = 1 << 30;
+
+/// Device bytes the main job's engine may plan (`EngineOptions::memory_budget`).
+pub const ENGINE_MEMORY_BUDGET: u64 = 1 << 30;
+
+/// Host bytes one request of the main job may hold with a budget of `max_new` tokens: three
+/// copies of the request (the demo prompt, the submitted request, the engine's queue entry),
+/// each with its prompt of up to [`MAX_DEMO_PROMPT_TOKENS`] ids, and three copies of the
+/// output (the engine's finished record, the collected events, the plain-decoding baseline),
+/// each with its vector and map entry; 256 bytes cover allocator rounding.
+pub fn request_host_bytes(max_new: usize) -> u64 {
+    let request =
+        (std::mem::size_of::<dflash_engine::Request>() + 4 * MAX_DEMO_PROMPT_TOKENS) as u64;
+    let output = 4 * max_new as u64 + 64;
+    3 * request + 3 * output + 256
+}
+
+/// Check `--prompts` and `--max-new` against what the run can hold: every request (prompt
+/// plus budget) within the reference target's positions, and all requests within
+/// [`HOST_MEMORY_BUDGET`]. Both must be at least 1.
+pub fn check_run_size(prompts: usize, max_new: usize) -> Result<()> {
+    let positions = target_geometry().max_positions;
+    let max = positions.saturating_sub(MAX_DEMO_PROMPT_TOKENS);
+    if max_new == 0 || max_new > max {
+        return Err(HarnessError::MaxNewTooLarge {
+            found: max_new,
+            max,
+            positions,
+        });
+    }
+    let per_request = request_host_bytes(max_new);
+    let max_prompts = usize::try_from(HOST_MEMORY_BUDGET / per_request).unwrap_or(usize::MAX);
+    if prompts == 0 || prompts > max_prompts {
+        return Err(HarnessError::TooManyPrompts {
+            found: prompts,
+            max: max_prompts,
+            max_new,
+            per_request,
+            budget: HOST_MEMORY_BUDGET,
+        });
+    }
+    Ok(())
 }
 
 /// The synthetic draft spec matched to [`target_geometry`] for `backend`.
@@ -139,31 +282,51 @@ impl Drop for ScratchDir {
     }
 }
 
-/// The embedded default written to disk: the reference target and the synthetic draft
-/// checkpoints of one backend.
+/// The embedded default written to disk: the reference target and a synthetic draft
+/// checkpoint (the default draft of one backend, or any draft config that fits the target),
+/// in a scratch directory removed when the fixture is dropped. Everything a run needs can be
+/// loaded into memory first and the fixture dropped before the run.
 #[derive(Debug)]
 pub struct Fixture {
     dir: ScratchDir,
     backend: DraftBackend,
+    capture_ids: Vec<u32>,
 }
 
 impl Fixture {
-    /// Write both checkpoints into a fresh scratch directory.
+    /// Write the reference target and the default draft of `backend` ([`draft_spec`]).
     pub fn write(backend: DraftBackend) -> Result<Self> {
+        Self::write_config(&draft_spec(backend).draft_config_json())
+    }
+
+    /// Write the reference target and a synthetic draft of the geometry `draft_config_json`
+    /// describes (validated against [`target_text_config`]; the config is written verbatim).
+    /// The target captures the draft's target block ids.
+    pub fn write_config(draft_config_json: &str) -> Result<Self> {
+        let (draft, _, _) = dflash_draft::parse_draft_config(
+            Path::new("the draft config"),
+            draft_config_json,
+            &target_text_config(),
+            ParseMode::Lenient,
+        )?;
+        let backend = draft.backend;
         let dir = ScratchDir::new(match backend {
             DraftBackend::DFlash => "dflash",
             DraftBackend::DFlash2 => "dflash2",
         })?;
         write_reference_target(&dir.path().join("target"), &target_geometry(), TARGET_SEED)?;
-        let spec = draft_spec(backend);
         synthetic::write_checkpoint(
             &dir.path().join("draft"),
-            &spec.draft_config_json(),
-            &spec.target(),
+            draft_config_json,
+            &target_text_config(),
             DRAFT_SEED,
             Layout::Single,
         )?;
-        Ok(Fixture { dir, backend })
+        Ok(Fixture {
+            dir,
+            backend,
+            capture_ids: draft.target_layer_ids,
+        })
     }
 
     /// The draft backend of the fixture.
@@ -183,7 +346,7 @@ impl Fixture {
 
     /// Load the reference target (capturing the draft's block ids).
     pub fn target(&self) -> Result<ReferenceTarget> {
-        let ids: Vec<usize> = CAPTURE_IDS.iter().map(|&i| i as usize).collect();
+        let ids: Vec<usize> = self.capture_ids.iter().map(|&i| i as usize).collect();
         Ok(ReferenceTarget::load(
             &self.target_dir(),
             &ids,
@@ -193,11 +356,10 @@ impl Fixture {
 
     /// Load the draft model on `be`.
     pub fn draft(&self, be: &Backend) -> Result<DraftModel> {
-        let spec = draft_spec(self.backend);
         Ok(DraftModel::load(
             be,
             self.draft_dir(),
-            &spec.target(),
+            &target_text_config(),
             &BindOptions::default(),
         )?)
     }

@@ -1,145 +1,63 @@
 //! `dflash`: the README's main job — end-to-end speculative decoding on an embedded default.
 //!
 //! By default it writes a synthetic DFlash (or DFlash2) draft checkpoint matched to the
-//! reference hybrid target of `dflash-testkit` into a scratch directory, decodes a few prompts
-//! with speculative decoding on the CPU, prints a per-round trace and a summary, and checks
-//! that the output equals plain greedy target decoding (exit status 1 on a mismatch).
+//! reference hybrid target of `dflash-testkit` into a scratch directory, loads both, removes
+//! the scratch directory, decodes a few prompts with speculative decoding on the CPU, prints a
+//! per-round trace and a summary, and checks that the output equals plain greedy target
+//! decoding.
 //!
-//! Flags: `--backend dflash|dflash2`, `--k N` (1..=15), `--b N` (1..=8), `--temperature T`,
-//! `--seed S`, `--prompts N`, `--max-new N`, `--device cpu|cuda` (cuda needs the `cuda`
+//! Flags: `--backend dflash|dflash2`, `--k N` (1..=15), `--b N` (1..=8), `--temperature T`
+//! (finite, >= 0; 0 greedy), `--seed S`, `--prompts N`, `--max-new N` (both bounded by the
+//! run's memory plan and the target's positions), `--device cpu|cuda` (cuda needs the `cuda`
 //! feature: the draft, context and verification run on the GPU, the target stays the CPU
 //! reference whose outputs are uploaded), `--oracle RHO` (replace the draft by the shadow
 //! oracle proposer: the target's own greedy tokens with probability RHO, random ones otherwise,
-//! to show long acceptances), `--quiet` (no per-round trace), `--geometry` (print the bundled
+//! to show long acceptances), `--draft-config FILE` (a draft config.json of any geometry that
+//! fits the reference target, instead of the embedded default's), `--mask-token-id N` (for a
+//! config whose mask token is null), `--strict` (refuse unknown config fields; by default they
+//! are printed as warnings), `--quiet` (no per-round trace), `--geometry` (print the bundled
 //! official configs' geometry instead).
+//!
+//! Every flag, the draft config and the run's size are checked before anything is written or
+//! printed. Exit status: 0 success; 1 the run failed (a mismatch with plain decoding, a leak,
+//! a device error); 2 a flag or a file was refused. The scratch directory is removed on every
+//! exit path the process controls (success, error, panic) and, because everything is loaded
+//! into memory before decoding starts, it exists only while the checkpoints are written and
+//! read (a Ctrl-C during decoding leaves nothing behind).
 
 #![allow(clippy::print_stdout)] // reason: a binary reports on stdout
 
 mod geometry;
 
 use std::collections::HashMap;
+use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
+use dflash_cli::args::{self, Args, Device, RunPlan};
 use dflash_cli::shadow::{ShadowProposer, Strategy};
-use dflash_cli::{Fixture, demo_prompts, format_step, target_geometry};
-use dflash_config::{Backend as DraftBackend, StartupOptions};
+use dflash_cli::{
+    ENGINE_MEMORY_BUDGET, Fixture, HarnessError, demo_prompts, format_step, target_geometry,
+};
 use dflash_engine::{
     Engine, EngineOptions, EngineStats, Event, FinishReason, Proposer, Request, RequestId,
     SamplingSettings, StopConditions, Target, plain_decode,
 };
 use dflash_ops::Backend;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Device {
-    Cpu,
-    Cuda,
-}
-
-#[derive(Debug, Clone)]
-struct Args {
-    backend: DraftBackend,
-    k: u32,
-    b: u32,
-    temperature: f32,
-    seed: u64,
-    prompts: usize,
-    max_new: usize,
-    device: Device,
-    oracle: Option<f64>,
-    quiet: bool,
-    geometry: bool,
-}
-
-const USAGE: &str = "usage: dflash [--backend dflash|dflash2] [--k N] [--b N] [--temperature T] \
-[--seed S] [--prompts N] [--max-new N] [--device cpu|cuda] [--oracle RHO] [--quiet] [--geometry]";
-
-fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        backend: DraftBackend::DFlash,
-        k: 7,
-        b: 4,
-        temperature: 0.0,
-        seed: 1,
-        prompts: 4,
-        max_new: 32,
-        device: Device::Cpu,
-        oracle: None,
-        quiet: false,
-        geometry: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .with_context(|| format!("{name} needs a value\n{USAGE}"))
-        };
-        match flag.as_str() {
-            "--backend" => {
-                a.backend = match value("--backend")?.as_str() {
-                    "dflash" => DraftBackend::DFlash,
-                    "dflash2" => DraftBackend::DFlash2,
-                    other => bail!("--backend: `{other}` is not dflash or dflash2"),
-                }
-            }
-            "--k" => a.k = value("--k")?.parse().context("--k: not a number")?,
-            "--b" => a.b = value("--b")?.parse().context("--b: not a number")?,
-            "--temperature" => {
-                a.temperature = value("--temperature")?
-                    .parse()
-                    .context("--temperature: not a number")?
-            }
-            "--seed" => a.seed = value("--seed")?.parse().context("--seed: not a number")?,
-            "--prompts" => {
-                a.prompts = value("--prompts")?
-                    .parse()
-                    .context("--prompts: not a number")?
-            }
-            "--max-new" => {
-                a.max_new = value("--max-new")?
-                    .parse()
-                    .context("--max-new: not a number")?
-            }
-            "--device" => {
-                a.device = match value("--device")?.as_str() {
-                    "cpu" => Device::Cpu,
-                    "cuda" => Device::Cuda,
-                    other => bail!("--device: `{other}` is not cpu or cuda"),
-                }
-            }
-            "--oracle" => {
-                let rho: f64 = value("--oracle")?
-                    .parse()
-                    .context("--oracle: not a number")?;
-                if !(0.0..=1.0).contains(&rho) {
-                    bail!("--oracle: {rho} is not a probability in [0, 1]");
-                }
-                a.oracle = Some(rho);
-            }
-            "--quiet" => a.quiet = true,
-            "--geometry" => a.geometry = true,
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => bail!("unknown flag `{other}`\n{USAGE}"),
-        }
-    }
-    if a.prompts == 0 {
-        bail!("--prompts must be at least 1");
-    }
-    Ok(a)
-}
-
-fn backend(device: Device) -> Result<Backend> {
+fn backend(device: Device) -> Result<Backend, HarnessError> {
     match device {
         Device::Cpu => Ok(Backend::cpu()),
         #[cfg(feature = "cuda")]
         Device::Cuda => Ok(Backend::Cuda(
-            dflash_ops::cuda::CudaBackend::new(0).context("opening CUDA device 0")?,
+            dflash_ops::cuda::CudaBackend::new(0).map_err(HarnessError::Ops)?,
         )),
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda => bail!("--device cuda needs a build with `--features cuda`"),
+        Device::Cuda => Err(HarnessError::Flag {
+            flag: "--device".into(),
+            expected: "cpu (this build has no `cuda` feature; build with `--features cuda`)".into(),
+            found: "cuda".into(),
+        }),
     }
 }
 
@@ -205,25 +123,85 @@ fn first_difference(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-fn main() -> Result<()> {
-    let args = parse_args()?;
-    if args.geometry {
-        return geometry::report_all();
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let checked = args::parse_args(&argv).and_then(|a| {
+        if a.help || a.geometry {
+            return Ok((a, None));
+        }
+        let plan = args::plan(&a)?;
+        let be = backend(a.device)?;
+        Ok((a, Some((plan, be))))
+    });
+    let (a, planned) = match checked {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("dflash: error: {e}");
+            return ExitCode::from(e.exit_code());
+        }
+    };
+    let result = match planned {
+        None if a.help => {
+            println!("{}", args::USAGE);
+            Ok(())
+        }
+        None => geometry::report_all(),
+        Some((plan, be)) => run(&a, &plan, be),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dflash: error: {e:#}");
+            let code = e
+                .downcast_ref::<HarnessError>()
+                .map_or(1, HarnessError::exit_code);
+            ExitCode::from(code)
+        }
     }
-    let be = backend(args.device)?;
+}
+
+fn run(args: &Args, plan: &RunPlan, be: Backend) -> Result<()> {
+    for w in plan.report.warnings() {
+        eprintln!("warning: {w} (--strict refuses it)");
+    }
+    for n in plan.report.note_lines() {
+        eprintln!("note: {n}");
+    }
     let g = target_geometry();
+    let draft_backend = plan.startup.backend;
     println!(
         "dflash: speculative decoding on the embedded default: {:?} K={} B={} temperature {} seed {} on {}",
-        args.backend,
+        draft_backend,
         args.k,
         args.b,
         args.temperature,
         args.seed,
         be.name()
     );
-    let fixture = Fixture::write(args.backend).context("writing the embedded default")?;
-    let mut target = fixture.target()?;
+    if let Some(path) = &args.draft_config {
+        println!("draft config: {}", path.display());
+    }
+    // Write the checkpoints, load everything the run needs, and remove the scratch directory
+    // before decoding starts.
+    let fixture = Fixture::write_config(&plan.draft_config_json)?;
+    let target = fixture.target()?;
+    let mut baseline_target = fixture.target()?;
     let model = fixture.draft(&be)?;
+    let oracle = match args.oracle {
+        Some(rho) => Some((
+            rho,
+            ShadowProposer::new(
+                fixture.target()?,
+                Strategy::Oracle { rho },
+                args.k as usize,
+                args.b as usize,
+                args.seed,
+            )?,
+        )),
+        None => None,
+    };
+    let parts = fixture.parts(&be)?;
+    drop(fixture);
     println!(
         "target: reference hybrid (H {}, {} blocks, vocab {} rows / {} public, EOS {}), on the CPU; \
 draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
@@ -232,7 +210,7 @@ draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
         g.vocab_rows,
         g.public_vocab,
         g.eos_token_id,
-        args.backend,
+        draft_backend,
         model.geometry().layers.len(),
         model.geometry().target_layer_ids,
         be.name()
@@ -254,47 +232,56 @@ draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
             stop: StopConditions::eos(g.eos_token_id),
         })
         .collect();
-
-    // The baseline: plain target decoding on the CPU (greedy runs are checked against it).
-    let greedy = sampling.temperature <= 0.0;
-    let t0 = Instant::now();
-    let mut expected = Vec::new();
-    if greedy {
-        for r in &requests {
-            expected.push(plain_decode(&mut target, &Backend::cpu(), r)?.tokens);
-        }
-    }
-    let baseline_time = t0.elapsed();
-
     let max_context = requests
         .iter()
         .map(|r| r.prompt.len() + r.max_new_tokens)
         .max()
         .unwrap_or(1);
     let options = EngineOptions {
-        startup: StartupOptions {
+        startup: dflash_config::StartupOptions {
             concurrency: args.b,
-            ..StartupOptions::new(args.backend, args.k)
+            mask_token_id: Some(plan.startup.mask_token_id),
+            ..dflash_config::StartupOptions::new(draft_backend, args.k)
         },
         max_context,
         page_size: 16,
-        memory_budget: 1 << 30,
+        memory_budget: ENGINE_MEMORY_BUDGET,
     };
-    let run = if let Some(rho) = args.oracle {
-        let proposer = ShadowProposer::new(
-            fixture.target()?,
-            Strategy::Oracle { rho },
-            args.k as usize,
-            args.b as usize,
-            args.seed,
-        )?;
-        println!("proposer: shadow oracle (the target's own greedy token with probability {rho})");
-        let mut engine = Engine::new(target, proposer, be.clone(), &options)?;
-        drive(&mut engine, &requests, args.quiet)?
-    } else {
-        let parts = fixture.parts(&be)?;
-        let mut engine = Engine::with_draft(target, model, parts, &options)?;
-        drive(&mut engine, &requests, args.quiet)?
+
+    // The engine (its whole memory plan checked) first, then the baseline: plain target
+    // decoding on the CPU (greedy runs are checked against it).
+    enum Built<T: Target> {
+        Oracle(Box<Engine<T, ShadowProposer>>),
+        Draft(Box<Engine<T, dflash_engine::DraftProposer>>),
+    }
+    let mut engine = match oracle {
+        Some((rho, proposer)) => {
+            println!(
+                "proposer: shadow oracle (the target's own greedy token with probability {rho})"
+            );
+            Built::Oracle(Box::new(Engine::new(
+                target,
+                proposer,
+                be.clone(),
+                &options,
+            )?))
+        }
+        None => Built::Draft(Box::new(Engine::with_draft(
+            target, model, parts, &options,
+        )?)),
+    };
+    let greedy = sampling.temperature <= 0.0;
+    let t0 = Instant::now();
+    let mut expected = Vec::new();
+    if greedy {
+        for r in &requests {
+            expected.push(plain_decode(&mut baseline_target, &Backend::cpu(), r)?.tokens);
+        }
+    }
+    let baseline_time = t0.elapsed();
+    let run = match &mut engine {
+        Built::Oracle(e) => drive(e, &requests, args.quiet)?,
+        Built::Draft(e) => drive(e, &requests, args.quiet)?,
     };
     let Run {
         ids,

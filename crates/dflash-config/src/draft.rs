@@ -3,10 +3,11 @@
 use serde_json::{Map, Value};
 
 use crate::error::{ConfigError, Result};
+use crate::fields::{Object, check_math_fields, collect_unknown};
 use crate::json::{
-    ParseMode, Parsed, UnknownField, as_object, collect_unknown, describe, finish, index, join,
-    missing, opt_positive_u32, opt_u32, parse_document, present, req_positive_u32, to_array,
-    to_bool, to_f64, to_str, to_u32,
+    ConfigNote, ParseMode, Parsed, as_object, describe, finish, index, join, missing,
+    opt_positive_u32, opt_u32, parse_document, present, req_positive_u32, to_array, to_bool,
+    to_f64, to_str, to_u32,
 };
 
 /// Which speculative backend a checkpoint (or a startup request) is.
@@ -169,109 +170,6 @@ pub fn legacy_target_layer_ids(num_target_layers: u32, num_draft_layers: u32) ->
 /// keeps a hostile config from making the parser allocate gigabytes.
 pub const MAX_DRAFT_LAYERS: u32 = 1024;
 
-const DFLASH_FIELDS: &[&str] = &[
-    "target_layer_ids",
-    "mask_token_id",
-    "block_size",
-    "num_target_layers",
-];
-const DFLASH2_FIELDS: &[&str] = &[
-    "conv_kernel_size",
-    "conv_group_size",
-    "selector_rank",
-    "selector_top_k",
-];
-const ROPE_FIELDS: &[&str] = &["rope_theta", "rope_type", "partial_rotary_factor"];
-const TOP_FIELDS: &[&str] = &[
-    // identity
-    "architectures",
-    "model_type",
-    "dflash_config",
-    // geometry
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_parameters",
-    "rope_scaling",
-    "layer_types",
-    "sliding_window",
-    "use_sliding_window",
-    "max_window_layers",
-    "hidden_act",
-    "attention_bias",
-    "vocab_size",
-    // older files keep these at top level
-    "block_size",
-    "num_target_layers",
-    "target_layer_ids",
-    "mask_token_id",
-    // benign Hugging Face bookkeeping: no effect on draft inference
-    "auto_map",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "_name_or_path",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "attention_dropout",
-    "initializer_range",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "use_cache",
-];
-
-/// How a math-changing field is neutral.
-#[derive(Clone, Copy)]
-enum Neutral {
-    /// A boolean; `false` or `null` is neutral.
-    False,
-    /// `null` (or absent) is the only neutral value.
-    Null,
-    /// `null` or `false` is neutral.
-    NullOrFalse,
-    /// `null` or the number 1 is neutral.
-    One,
-}
-
-/// Fields that change the mathematics when active; checked at top level and in `dflash_config`.
-const MATH_FIELDS: &[(&str, Neutral)] = &[
-    ("is_causal", Neutral::False),
-    ("causal", Neutral::False),
-    ("final_logit_softcapping", Neutral::Null),
-    ("output_multiplier", Neutral::One),
-    ("input_embedding_scale", Neutral::One),
-    ("sample_from_anchor", Neutral::False),
-    ("attention_sink_bias", Neutral::NullOrFalse),
-    ("use_aux_hidden_state", Neutral::False),
-];
-
-fn check_math_fields(obj: &Map<String, Value>, parent: &str) -> Result<()> {
-    for &(key, neutral) in MATH_FIELDS {
-        let Some(v) = present(obj, key) else { continue };
-        let path = join(parent, key);
-        let (ok, expected) = match neutral {
-            Neutral::False => (!to_bool(v, &path)?, "false or null"),
-            Neutral::Null => (false, "null"),
-            Neutral::NullOrFalse => (v == &Value::Bool(false), "null or false"),
-            Neutral::One => (to_f64(v, &path)? == 1.0, "1 or null"),
-        };
-        if !ok {
-            return Err(ConfigError::UnsupportedFeature {
-                path,
-                expected,
-                found: describe(v),
-            });
-        }
-    }
-    Ok(())
-}
-
 /// A float that must be finite and positive.
 fn positive_float(v: &Value, path: &str) -> Result<f64> {
     let x = to_f64(v, path)?;
@@ -333,52 +231,16 @@ fn parse_backend(top: &Map<String, Value>) -> Result<Backend> {
     }
 }
 
-fn parse_rope_theta(top: &Map<String, Value>, unknown: &mut Vec<UnknownField>) -> Result<f64> {
+/// RoPE theta from `rope_theta` or `rope_parameters.rope_theta` (the RoPE type, scaling and
+/// rotary fraction are math-changing fields checked by the field table).
+fn parse_rope_theta(top: &Map<String, Value>, rope: Option<&Map<String, Value>>) -> Result<f64> {
     let flat = present(top, "rope_theta")
         .map(|v| positive_float(v, "rope_theta"))
         .transpose()?;
-    let mut nested = None;
-    if let Some(rp) = present(top, "rope_parameters") {
-        let rp = as_object(rp, "rope_parameters")?;
-        collect_unknown(rp, "rope_parameters", ROPE_FIELDS, unknown);
-        if let Some(t) = present(rp, "rope_type") {
-            let p = "rope_parameters.rope_type";
-            let s = to_str(t, p)?;
-            if s != "default" {
-                return Err(ConfigError::Unsupported {
-                    path: p.to_owned(),
-                    expected: "\"default\"".to_owned(),
-                    found: format!("{s:?}"),
-                });
-            }
-        }
-        if let Some(f) = present(rp, "partial_rotary_factor") {
-            let p = "rope_parameters.partial_rotary_factor";
-            if to_f64(f, p)? != 1.0 {
-                return Err(ConfigError::Unsupported {
-                    path: p.to_owned(),
-                    expected: "1 (full-head RoPE)".to_owned(),
-                    found: describe(f),
-                });
-            }
-        }
-        nested = present(rp, "rope_theta")
-            .map(|v| positive_float(v, "rope_parameters.rope_theta"))
-            .transpose()?;
-    }
-    if let Some(rs) = present(top, "rope_scaling") {
-        let p = "rope_scaling";
-        let o = as_object(rs, p)?;
-        let kind = o.get("rope_type").or_else(|| o.get("type"));
-        let is_default = kind.and_then(Value::as_str) == Some("default");
-        if !is_default {
-            return Err(ConfigError::Unsupported {
-                path: p.to_owned(),
-                expected: "null or {\"rope_type\": \"default\"}".to_owned(),
-                found: kind.map_or_else(|| describe(rs), describe),
-            });
-        }
-    }
+    let nested = rope
+        .and_then(|rp| present(rp, "rope_theta"))
+        .map(|v| positive_float(v, "rope_parameters.rope_theta"))
+        .transpose()?;
     match (flat, nested) {
         (Some(a), Some(b)) if a != b => Err(ConfigError::Conflict {
             path: "rope_theta".to_owned(),
@@ -432,6 +294,18 @@ fn parse_layer_types(top: &Map<String, Value>, num_layers: u32) -> Result<Vec<At
         .collect())
 }
 
+/// `["sliding_attention", "full_attention", ...]` as a config would write it.
+fn layer_type_names(types: &[AttentionType]) -> String {
+    let names: Vec<&str> = types
+        .iter()
+        .map(|t| match t {
+            AttentionType::Full => "\"full_attention\"",
+            AttentionType::Sliding => "\"sliding_attention\"",
+        })
+        .collect();
+    format!("[{}]", names.join(", "))
+}
+
 fn parse_ids(v: &Value, path: &str) -> Result<Vec<u32>> {
     let arr = to_array(v, path)?;
     arr.iter()
@@ -473,12 +347,20 @@ impl DraftConfig {
     /// with only ids and mask, or no `dflash_config` at all, in which case the ids are derived
     /// by [`legacy_target_layer_ids`]). A quantity given in both places must agree.
     ///
-    /// Recognised Hugging Face bookkeeping fields are accepted without effect; `hidden_act` must
-    /// be `"silu"`, `attention_bias` false, and every field that would change the mathematics
-    /// (`is_causal`, `dflash_config.causal`, `final_logit_softcapping`, `output_multiplier`,
-    /// `input_embedding_scale`, `sample_from_anchor`, `attention_sink_bias`,
-    /// `use_aux_hidden_state`, a non-default `rope_scaling`) must be neutral. Every other field is
-    /// returned in [`Parsed::unknown_fields`], or refused in [`ParseMode::Strict`].
+    /// Every field is classified by one table ([`crate::draft_field_class`]): fields the parser
+    /// reads are validated; ordinary Hugging Face fields are accepted without effect;
+    /// math-changing fields (`hidden_act`, `attention_bias`, `rope_scaling`,
+    /// `partial_rotary_factor`, the causal flags, softcapping, multipliers, attention sinks, ...)
+    /// are refused unless they hold their neutral value ([`ConfigError::UnsupportedFeature`],
+    /// [`ConfigError::Activation`]); every other field is returned in
+    /// [`Parsed::unknown_fields`], or refused in [`ParseMode::Strict`]. `layer_types` with a
+    /// sliding layer and an explicit `use_sliding_window: false` is a [`ConfigError::Conflict`]
+    /// (Hugging Face's `Qwen3Config` drops the window in that case).
+    ///
+    /// [`Parsed::notes`] says what the parser assumed: an absent causal flag (the block is
+    /// computed non-causal, as specified, while several public implementations make sliding
+    /// layers causal when the flag is missing), derived `layer_types` or target block ids, a
+    /// `null` mask token, sliding layers without `use_sliding_window`.
     pub fn from_json_str(text: &str, mode: ParseMode) -> Result<Parsed<Self>> {
         Self::from_json_value(&parse_document(text)?, mode)
     }
@@ -486,7 +368,7 @@ impl DraftConfig {
     /// [`DraftConfig::from_json_str`] on an already parsed document.
     pub fn from_json_value(doc: &Value, mode: ParseMode) -> Result<Parsed<Self>> {
         let top = as_object(doc, "")?;
-        let mut unknown = Vec::new();
+        let mut notes = Vec::new();
 
         let backend = parse_backend(top)?;
         match present(top, "model_type") {
@@ -505,28 +387,27 @@ impl DraftConfig {
         let nested = present(top, "dflash_config")
             .map(|v| as_object(v, "dflash_config"))
             .transpose()?;
-
-        if let Some(v) = present(top, "hidden_act") {
-            let s = to_str(v, "hidden_act")?;
-            if s != "silu" {
-                return Err(ConfigError::Activation {
-                    path: "hidden_act".to_owned(),
-                    found: format!("{s:?}"),
-                });
-            }
-        }
-        if let Some(v) = present(top, "attention_bias")
-            && to_bool(v, "attention_bias")?
-        {
-            return Err(ConfigError::UnsupportedFeature {
-                path: "attention_bias".to_owned(),
-                expected: "false (the projections are bias-free)",
-                found: "true".to_owned(),
-            });
-        }
-        check_math_fields(top, "")?;
+        let rope = present(top, "rope_parameters")
+            .map(|v| as_object(v, "rope_parameters"))
+            .transpose()?;
+        check_math_fields(top, Object::Top, backend)?;
         if let Some(d) = nested {
-            check_math_fields(d, "dflash_config")?;
+            check_math_fields(d, Object::Nested, backend)?;
+        }
+        if let Some(r) = rope {
+            check_math_fields(r, Object::Rope, backend)?;
+        }
+        let causal_flag_given = ["is_causal", "causal", "causal_mask"]
+            .iter()
+            .any(|k| present(top, k).is_some() || nested.is_some_and(|d| present(d, k).is_some()));
+        if !causal_flag_given {
+            notes.push(ConfigNote {
+                path: "is_causal".to_owned(),
+                message: "absent: the block is computed non-causal, as the specification \
+                          requires (several public implementations make sliding-window layers \
+                          causal when the flag is missing; state \"is_causal\": false to say so)"
+                    .to_owned(),
+            });
         }
 
         let hidden_size = opt_positive_u32(top, "", "hidden_size")?;
@@ -547,13 +428,12 @@ impl DraftConfig {
             Some(v) => positive_float(v, "rms_norm_eps")?,
             None => return Err(missing("rms_norm_eps".to_owned(), "a positive number")),
         };
-        let mut rope_unknown = Vec::new();
-        let rope_theta = parse_rope_theta(top, &mut rope_unknown)?;
+        let rope_theta = parse_rope_theta(top, rope)?;
         let sliding_window = opt_positive_u32(top, "", "sliding_window")?;
-        // Type-check the benign fields that feed the layer-type default.
-        if let Some(v) = present(top, "use_sliding_window") {
-            to_bool(v, "use_sliding_window")?;
-        }
+        // Type-check the fields that feed the layer-type default.
+        let use_sliding_window = present(top, "use_sliding_window")
+            .map(|v| to_bool(v, "use_sliding_window"))
+            .transpose()?;
         opt_u32(top, "", "max_window_layers")?;
         let layer_types = parse_layer_types(top, num_layers)?;
         if layer_types.len() != num_layers as usize {
@@ -562,6 +442,38 @@ impl DraftConfig {
                 expected: num_layers as usize,
                 found: layer_types.len(),
             });
+        }
+        let first_sliding = layer_types
+            .iter()
+            .position(|t| *t == AttentionType::Sliding);
+        if present(top, "layer_types").is_none() {
+            notes.push(ConfigNote {
+                path: "layer_types".to_owned(),
+                message: format!(
+                    "absent: derived as Hugging Face Qwen3Config does (use_sliding_window, \
+                     sliding_window, max_window_layers): {}",
+                    layer_type_names(&layer_types)
+                ),
+            });
+        } else if let Some(i) = first_sliding {
+            match use_sliding_window {
+                Some(false) => {
+                    return Err(ConfigError::Conflict {
+                        path: "use_sliding_window".to_owned(),
+                        found: "false".to_owned(),
+                        other_path: index("layer_types", i),
+                        other: "\"sliding_attention\"".to_owned(),
+                    });
+                }
+                Some(true) => {}
+                None => notes.push(ConfigNote {
+                    path: "use_sliding_window".to_owned(),
+                    message: "absent: the sliding layers of layer_types use sliding_window \
+                              (Hugging Face Qwen3Config drops the window unless \
+                              use_sliding_window is true)"
+                        .to_owned(),
+                }),
+            }
         }
 
         let block_size = nested_or_top(top, nested, "block_size")?
@@ -573,6 +485,13 @@ impl DraftConfig {
         let mask_token_id = nested_or_top(top, nested, "mask_token_id")?
             .map(|(v, p, _)| to_u32(v, &p))
             .transpose()?;
+        if mask_token_id.is_none() {
+            notes.push(ConfigNote {
+                path: "dflash_config.mask_token_id".to_owned(),
+                message: "null or absent: the mask token id must come from the startup options"
+                    .to_owned(),
+            });
+        }
         let (target_layer_ids, target_layer_ids_source) =
             match nested_or_top(top, nested, "target_layer_ids")? {
                 Some((v, p, is_nested)) => (
@@ -590,10 +509,15 @@ impl DraftConfig {
                             "target block ids, or num_target_layers to derive them from",
                         ));
                     };
-                    (
-                        legacy_target_layer_ids(ntl, num_layers)?,
-                        TargetLayerIdsSource::Derived,
-                    )
+                    let ids = legacy_target_layer_ids(ntl, num_layers)?;
+                    notes.push(ConfigNote {
+                        path: "dflash_config.target_layer_ids".to_owned(),
+                        message: format!(
+                            "absent: derived from num_target_layers = {ntl} and {num_layers} \
+                             draft layers by the reference rule: {ids:?}"
+                        ),
+                    });
+                    (ids, TargetLayerIdsSource::Derived)
                 }
             };
 
@@ -602,22 +526,13 @@ impl DraftConfig {
             Backend::DFlash => None,
         };
 
-        let math: Vec<&str> = MATH_FIELDS.iter().map(|&(k, _)| k).collect();
-        let top_known: Vec<&str> = TOP_FIELDS.iter().chain(&math).copied().collect();
-        collect_unknown(top, "", &top_known, &mut unknown);
-        unknown.append(&mut rope_unknown);
+        let mut unknown = Vec::new();
+        collect_unknown(top, Object::Top, backend, &mut unknown);
+        if let Some(r) = rope {
+            collect_unknown(r, Object::Rope, backend, &mut unknown);
+        }
         if let Some(d) = nested {
-            for (k, v) in d {
-                let known = DFLASH_FIELDS.contains(&k.as_str())
-                    || math.contains(&k.as_str())
-                    || (backend == Backend::DFlash2 && DFLASH2_FIELDS.contains(&k.as_str()));
-                if !known {
-                    unknown.push(UnknownField {
-                        path: join("dflash_config", k),
-                        value: v.clone(),
-                    });
-                }
-            }
+            collect_unknown(d, Object::Nested, backend, &mut unknown);
         }
 
         let cfg = Self {
@@ -640,7 +555,7 @@ impl DraftConfig {
             dflash2,
         };
         cfg.validate()?;
-        finish(cfg, unknown, mode)
+        finish(cfg, unknown, notes, mode)
     }
 
     /// Check every invariant documented on the fields (the draft on its own; the pair checks

@@ -15,7 +15,7 @@ use thiserror::Error;
 #[non_exhaustive]
 pub enum ConfigError {
     /// The text is not JSON (syntax error, truncated text, a number outside the f64 range).
-    #[error("`{path}`: invalid JSON at line {line}, column {column}: {message}")]
+    #[error("invalid JSON at line {line}, column {column}: {message}")]
     Json {
         /// Always empty: the document itself.
         path: String,
@@ -23,7 +23,8 @@ pub enum ConfigError {
         line: usize,
         /// 1-based column of the syntax error.
         column: usize,
-        /// The JSON parser's description.
+        /// The JSON parser's description (without its position, which `line` and `column`
+        /// give).
         message: String,
     },
 
@@ -38,7 +39,7 @@ pub enum ConfigError {
 
     /// A field has the wrong JSON type (a string where a number belongs, a float where an
     /// integer belongs, ...).
-    #[error("`{path}`: expected {expected}, found {found}")]
+    #[error("{}: expected {expected}, found {found}", shown(path))]
     WrongType {
         /// The field.
         path: String,
@@ -297,12 +298,31 @@ pub enum ConfigError {
         found: u32,
     },
 
+    /// A sampling temperature is NaN, infinite or negative (the rule: finite and >= 0, 0 is
+    /// greedy; [`crate::check_temperature`]).
+    #[error("`{path}`: expected {rule}, found {found}", rule = crate::TEMPERATURE_RULE)]
+    InvalidTemperature {
+        /// The option, flag or field as the user wrote it (`--temperature`, `temperature`).
+        path: String,
+        /// The value found (`NaN`, `inf`, `-1`).
+        found: String,
+    },
+
     /// A derived size does not fit in 64 bits (only reachable with absurd dimensions).
     #[error("`{path}`: derived size overflows 64 bits")]
     SizeOverflow {
         /// The derived quantity, e.g. `geometry.ring_image_bytes`.
         path: String,
     },
+}
+
+/// A path as messages show it: in backticks, or "the document" for the root.
+fn shown(path: &str) -> String {
+    if path.is_empty() {
+        "the document".to_owned()
+    } else {
+        format!("`{path}`")
+    }
 }
 
 impl ConfigError {
@@ -335,6 +355,7 @@ impl ConfigError {
             | Self::PublicVocabUnknown { path }
             | Self::BackendMismatch { path, .. }
             | Self::TreeNeedsDFlash2 { path, .. }
+            | Self::InvalidTemperature { path, .. }
             | Self::SizeOverflow { path } => path,
         }
     }

@@ -24,21 +24,55 @@ pub enum ParseMode {
     Strict,
 }
 
-/// A parsed value together with the fields that were not recognised.
+impl std::fmt::Display for UnknownField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` = {}: unknown field, not read",
+            self.path,
+            describe(&self.value)
+        )
+    }
+}
+
+/// Something the parser decided on the reader's behalf that a user should know about: a value
+/// it derived or a default it chose for an absent field where public implementations differ.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigNote {
+    /// JSON path of the field the note is about, e.g. `is_causal`.
+    pub path: String,
+    /// What the parser assumed, and why it says so.
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigNote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}`: {}", self.path, self.message)
+    }
+}
+
+/// A parsed value together with its report: the fields that were not recognised and the
+/// notes on what the parser assumed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Parsed<T> {
     /// The parsed and validated value.
     pub value: T,
     /// Unrecognised fields in document order (always empty in strict mode).
     pub unknown_fields: Vec<UnknownField>,
+    /// Notes on derived values and defaults, in the order the parser made them.
+    pub notes: Vec<ConfigNote>,
 }
 
 pub(crate) fn parse_document(text: &str) -> Result<Value> {
-    serde_json::from_str(text).map_err(|e| ConfigError::Json {
-        path: String::new(),
-        line: e.line(),
-        column: e.column(),
-        message: e.to_string(),
+    serde_json::from_str(text).map_err(|e| {
+        let full = e.to_string();
+        let position = format!(" at line {} column {}", e.line(), e.column());
+        ConfigError::Json {
+            path: String::new(),
+            line: e.line(),
+            column: e.column(),
+            message: full.strip_suffix(&position).unwrap_or(&full).to_owned(),
+        }
     })
 }
 
@@ -202,27 +236,11 @@ pub(crate) fn opt_u32(obj: &Map<String, Value>, parent: &str, key: &str) -> Resu
         .transpose()
 }
 
-/// Collect the keys of `obj` not listed in `known`, in document order.
-pub(crate) fn collect_unknown(
-    obj: &Map<String, Value>,
-    parent: &str,
-    known: &[&str],
-    out: &mut Vec<UnknownField>,
-) {
-    for (k, v) in obj {
-        if !known.contains(&k.as_str()) {
-            out.push(UnknownField {
-                path: join(parent, k),
-                value: v.clone(),
-            });
-        }
-    }
-}
-
 /// Apply the parse mode to the collected unknown fields.
 pub(crate) fn finish<T>(
     value: T,
     unknown_fields: Vec<UnknownField>,
+    notes: Vec<ConfigNote>,
     mode: ParseMode,
 ) -> Result<Parsed<T>> {
     if mode == ParseMode::Strict
@@ -236,5 +254,6 @@ pub(crate) fn finish<T>(
     Ok(Parsed {
         value,
         unknown_fields,
+        notes,
     })
 }

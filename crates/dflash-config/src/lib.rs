@@ -19,27 +19,34 @@
 //! ```
 //!
 //! Flow: [`DraftConfig::from_json_str`] and [`TargetTextConfig::from_json_str`] parse each file
-//! on its own; [`validate_pair`] cross-checks them and returns the [`Geometry`];
-//! [`StartupOptions::validate`] checks the startup choices against that geometry. Every failure
-//! is a [`ConfigError`] that names the JSON path (or `startup.<option>`) and what was expected.
-//! Nothing in this crate panics on any input.
+//! on its own (a draft config's fields are classified by one table, [`draft_field_class`]:
+//! parsed, harmless, math-changing and refused unless neutral, or unknown and returned in the
+//! [`Parsed`] report with the parser's [`ConfigNote`]s); [`validate_pair`] cross-checks them
+//! and returns the [`Geometry`]; [`StartupOptions::validate`] checks the startup choices
+//! against that geometry. Every failure is a [`ConfigError`] that names the JSON path (or
+//! `startup.<option>`) and what was expected. [`check_temperature`] is the one temperature
+//! rule of every crate and tool. Nothing in this crate panics on any input.
 
 mod draft;
 mod error;
 pub mod examples;
+mod fields;
 mod geometry;
 mod json;
 mod startup;
 mod target;
+mod temperature;
 
 pub use draft::{
     AttentionType, Backend, DFlash2Params, DraftConfig, MAX_DRAFT_LAYERS, TargetLayerIdsSource,
     legacy_target_layer_ids,
 };
 pub use error::{ConfigError, Result};
+pub use fields::{FieldClass, Neutral, draft_field_class};
 pub use geometry::{Geometry, LayerKind, TransientSizes, validate_pair};
-pub use json::{ParseMode, Parsed, UnknownField};
+pub use json::{ConfigNote, ParseMode, Parsed, UnknownField};
 pub use startup::{
     MAX_CONCURRENCY, MAX_DRAFT_COUNT, MAX_TREE_NODES, ProposalHead, Startup, StartupOptions,
 };
 pub use target::{TargetTextConfig, count_tokenizer_vocab};
+pub use temperature::{TEMPERATURE_RULE, check_temperature, is_valid_temperature};

@@ -18,6 +18,34 @@ pub enum DraftError {
         #[source]
         source: std::io::Error,
     },
+    /// A file could not be written (the inspection tool's output, a generated inputs file).
+    #[error("cannot write {path}: {message}")]
+    Write {
+        /// The file.
+        path: String,
+        /// The operating system's (or serializer's) error.
+        message: String,
+    },
+    /// A draft `config.json` is invalid or does not fit the target; `path` names the file,
+    /// `source` the field.
+    #[error("{path}: {source}")]
+    ConfigFile {
+        /// The config file.
+        path: String,
+        /// What is wrong, at which JSON path.
+        source: Box<ConfigError>,
+    },
+    /// A command-line argument of the inspection tool is missing, repeated, unknown or
+    /// malformed.
+    #[error("`{flag}`: expected {expected}, found {found}")]
+    Argument {
+        /// The flag as the user typed it (`--model`, `--mask-token-id`).
+        flag: String,
+        /// What is accepted.
+        expected: String,
+        /// What was given.
+        found: String,
+    },
     /// A safetensors file is malformed (header, offsets, dtype tags).
     #[error("{path}: not a valid safetensors file: {message}")]
     Safetensors {
@@ -156,6 +184,29 @@ impl DraftError {
         DraftError::Io {
             path: path.as_ref().display().to_string(),
             source,
+        }
+    }
+
+    /// [`DraftError::Write`] for `path`.
+    pub(crate) fn write(
+        path: impl AsRef<std::path::Path>,
+        message: impl std::fmt::Display,
+    ) -> Self {
+        DraftError::Write {
+            path: path.as_ref().display().to_string(),
+            message: message.to_string(),
+        }
+    }
+
+    /// [`DraftError::Write`] for a failed safetensors serialization to `path` (an I/O error
+    /// is shown as the operating system's message).
+    pub(crate) fn serialize(
+        path: impl AsRef<std::path::Path>,
+        e: safetensors::SafeTensorError,
+    ) -> Self {
+        match e {
+            safetensors::SafeTensorError::IoError(io) => Self::write(path, io),
+            other => Self::write(path, other),
         }
     }
 

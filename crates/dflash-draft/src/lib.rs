@@ -2,6 +2,9 @@
 //!
 //! - [`weights`]: open a Hugging Face checkpoint (memory-mapped safetensors, single or
 //!   sharded), check every tensor against the config, bind the logical roles on a backend.
+//! - [`DraftModel::load_reported`]: load with the config parsed in a chosen
+//!   [`dflash_config::ParseMode`], errors naming the config file, and the [`ConfigReport`]
+//!   (unknown fields, the parser's notes) returned with the model.
 //! - [`DraftModel`]: context prefill (feature projection, context norm and each layer's context
 //!   K/V into [`dflash_context`] storage; no prompt token runs through the residual/MLP
 //!   stack) and the block forward, written once over [`dflash_ops::Backend`] so the same code
@@ -56,6 +59,7 @@
 
 mod conformance;
 mod error;
+mod load;
 mod model;
 pub mod synthetic;
 mod target;
@@ -64,6 +68,7 @@ pub mod weights;
 
 pub use conformance::conformance_cases;
 pub use error::{DraftError, Result};
+pub use load::{ConfigReport, config_file_error, parse_draft_config};
 pub use model::{
     DraftModel, RowProposal, RowRequest, SelectorBuffers, TOP_K, Workspace, WorkspaceSpec,
 };

@@ -156,7 +156,8 @@ impl DraftModel {
     /// `rows` may hold fewer rows than the workspace; the remaining physical rows repeat the
     /// last request (computed, never reported). Checks: 1..=workspace rows requests, each
     /// handle live in `store` with nothing pending and not repeated, anchor below the vocab
-    /// rows, usable count `P <= K`, temperature not NaN, positions within i32.
+    /// rows, usable count `P <= K`, temperature finite and `>= 0` (the one temperature rule,
+    /// [`dflash_config::check_temperature`]), positions within i32.
     pub fn stage(
         &self,
         store: &ContextStore,
@@ -217,12 +218,12 @@ impl DraftModel {
                     r.usable.to_string(),
                 ));
             }
-            if r.temperature.is_nan() {
+            if !dflash_config::is_valid_temperature(r.temperature) {
                 return Err(row_err(
                     i,
                     "temperature",
-                    "a number (<= 0: greedy)".into(),
-                    "NaN".into(),
+                    dflash_config::TEMPERATURE_RULE.into(),
+                    r.temperature.to_string(),
                 ));
             }
             if f.checked_add(w).is_none_or(|e| e > i32::MAX as usize) {

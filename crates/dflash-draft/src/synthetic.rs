@@ -136,7 +136,8 @@ pub enum Layout {
 
 /// Write a synthetic checkpoint of `draft_config_json` (validated against `target`) into
 /// `dir` (created if needed): `config.json` verbatim, weights from `seed`. Returns the
-/// geometry. Tensors are generated one at a time while writing.
+/// geometry. Tensors are generated one at a time while writing. A failed write is
+/// [`DraftError::Write`] (`cannot write FILE: ...`).
 pub fn write_checkpoint(
     dir: &Path,
     draft_config_json: &str,
@@ -146,14 +147,11 @@ pub fn write_checkpoint(
 ) -> Result<Geometry> {
     let draft = DraftConfig::from_json_str(draft_config_json, ParseMode::Lenient)?;
     let g = validate_pair(&draft.value, target)?;
-    std::fs::create_dir_all(dir).map_err(|e| DraftError::io(dir, e))?;
+    std::fs::create_dir_all(dir).map_err(|e| DraftError::write(dir, e))?;
     let cfg = dir.join("config.json");
-    std::fs::write(&cfg, draft_config_json).map_err(|e| DraftError::io(&cfg, e))?;
+    std::fs::write(&cfg, draft_config_json).map_err(|e| DraftError::write(&cfg, e))?;
     let specs = expected_tensors(&g);
-    let st_err = |path: &Path, e: safetensors::SafeTensorError| DraftError::Safetensors {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    };
+    let st_err = |path: &Path, e| DraftError::serialize(path, e);
     match layout {
         Layout::Single => {
             let path = dir.join(SINGLE_FILE);
@@ -184,7 +182,7 @@ pub fn write_checkpoint(
             }
             let index = serde_json::json!({"metadata": {}, "weight_map": map});
             let path = dir.join(INDEX_FILE);
-            std::fs::write(&path, index.to_string()).map_err(|e| DraftError::io(&path, e))?;
+            std::fs::write(&path, index.to_string()).map_err(|e| DraftError::write(&path, e))?;
         }
     }
     Ok(g)
@@ -255,7 +253,8 @@ impl TinySpec {
         }
     }
 
-    /// The draft `config.json` text (nested layout).
+    /// The draft `config.json` text (nested layout; `is_causal: false` and, with sliding
+    /// layers, `use_sliding_window: true` stated as the published configs do).
     pub fn draft_config_json(&self) -> String {
         let types: Vec<&str> = self
             .layers
@@ -294,12 +293,14 @@ impl TinySpec {
             "layer_types": types,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10_000_000.0,
+            "is_causal": false,
             "dflash_config": dcfg,
         });
         if self.layers.contains(&AttentionType::Sliding)
             && let Some(o) = v.as_object_mut()
         {
             o.insert("sliding_window".into(), self.window.into());
+            o.insert("use_sliding_window".into(), true.into());
         }
         serde_json::to_string_pretty(&v).unwrap_or_default()
     }

@@ -233,6 +233,8 @@ fn stage_refuses_bad_rows_and_leaves_nothing_staged() {
         (vec![req(h, 80, 3, 0.0, 1)], "anchor"),
         (vec![req(h, 1, 4, 0.0, 1)], "usable"),
         (vec![req(h, 1, 3, f32::NAN, 1)], "temperature"),
+        (vec![req(h, 1, 3, -1.0, 1)], "temperature"),
+        (vec![req(h, 1, 3, f32::INFINITY, 1)], "temperature"),
         (vec![req(h, 1, 3, 0.0, 1), req(h, 1, 3, 0.0, 1)], "handle"),
     ];
     for (rows, field) in cases {

@@ -30,7 +30,8 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// Token budget (at least 1).
     pub max_new_tokens: usize,
-    /// Target sampling settings (temperature `<= 0`: greedy).
+    /// Target sampling settings (temperature finite and `>= 0`, `0`: greedy; see
+    /// [`dflash_config::check_temperature`]).
     pub sampling: SamplingSettings,
     /// The request seed: the key of every random decision of this request (sampling, the
     /// DFlash2 selector, acceptance); never the batch row.
@@ -106,10 +107,10 @@ pub(crate) fn validate_sampling(s: &SamplingSettings) -> Result<()> {
             found,
         })
     };
-    if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+    if !dflash_config::is_valid_temperature(s.temperature) {
         return bad(
             "temperature",
-            "finite and >= 0 (0: greedy)",
+            dflash_config::TEMPERATURE_RULE,
             s.temperature.to_string(),
         );
     }
@@ -351,15 +352,23 @@ mod tests {
                 ..
             })
         ));
+        for t in [f32::NAN, f32::INFINITY, -1.0, -1e-30] {
+            let mut r = ok.clone();
+            r.sampling.temperature = t;
+            assert!(
+                matches!(
+                    r.validate(10, 8, 100, "x"),
+                    Err(EngineError::InvalidSampling {
+                        setting: "temperature",
+                        ..
+                    })
+                ),
+                "temperature {t} accepted"
+            );
+        }
         let mut r = ok.clone();
-        r.sampling.temperature = f32::NAN;
-        assert!(matches!(
-            r.validate(10, 8, 100, "x"),
-            Err(EngineError::InvalidSampling {
-                setting: "temperature",
-                ..
-            })
-        ));
+        r.sampling.temperature = 0.0;
+        assert!(r.validate(10, 8, 100, "x").is_ok(), "0 is greedy");
         let mut r = ok.clone();
         r.sampling.top_p = 0.0;
         assert!(matches!(
