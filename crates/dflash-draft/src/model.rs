@@ -4,8 +4,7 @@
 use std::path::Path;
 
 use dflash_config::{
-    Backend as DraftBackend, DraftConfig, Geometry, LayerKind, ParseMode, Startup,
-    TargetTextConfig, validate_pair,
+    Backend as DraftBackend, Geometry, LayerKind, ParseMode, Startup, TargetTextConfig,
 };
 use dflash_context::{ContextGeometry, ContextHandle, ContextStore, LayerPool, NO_PAGE};
 use dflash_ops::proposal_argmax::{self, ProposalHead as OpsHead};
@@ -31,9 +30,11 @@ pub struct DraftModel {
 }
 
 impl DraftModel {
-    /// Open the checkpoint in `dir`, parse its `config.json` (lenient: unknown fields are
-    /// ignored, every known field validated), validate it against the target's text config,
-    /// check every tensor and bind the weights on `be`.
+    /// Open the checkpoint in `dir`, parse its `config.json` strictly (every known field
+    /// validated; a field this crate does not know is refused, never dropped: use
+    /// [`DraftModel::load_reported`] in lenient mode to accept unknown fields and receive them
+    /// with the parser's notes), validate it against the target's text config, check every
+    /// tensor and bind the weights on `be`.
     pub fn load(
         be: &Backend,
         dir: impl AsRef<Path>,
@@ -51,14 +52,7 @@ impl DraftModel {
         target: &TargetTextConfig,
         opts: &BindOptions,
     ) -> Result<Self> {
-        let draft = DraftConfig::from_json_str(ck.config_json(), ParseMode::Lenient)?;
-        let geometry = validate_pair(&draft.value, target)?;
-        let weights = DraftWeights::bind(be, ck, &geometry, opts)?;
-        Ok(DraftModel {
-            be: be.clone(),
-            geometry,
-            weights,
-        })
+        Self::from_checkpoint_reported(be, ck, target, opts, ParseMode::Strict).map(|(m, _)| m)
     }
 
     /// A model from weights bound elsewhere (tests, other loaders). The weights' lengths are
@@ -723,7 +717,8 @@ pub struct RowRequest {
     /// P: proposals that can be verified this round (`0..=K`). DFlash attends `P + 1` live
     /// columns; DFlash2 computes all `W` and reports all K, of which the first P are usable.
     pub usable: usize,
-    /// DFlash2 selector temperature (`<= 0`: greedy). Ignored by DFlash (q is a point mass).
+    /// DFlash2 selector temperature: finite and `>= 0`, 0 greedy (checked by
+    /// [`DraftModel::stage`]). Ignored by DFlash (q is a point mass).
     pub temperature: f32,
     /// The request's seed (DFlash2 selector draws; the row index never enters a draw).
     pub seed: u64,

@@ -15,7 +15,8 @@
 //! - penalties (repetition, frequency, presence) from the counts of the row's [`TokenHistory`]
 //!   (prompt and published tokens through the anchor) **plus `d_1 ..= d_i`**: the accepted
 //!   proposals are added to the history as the scan advances;
-//! - temperature (`<= 0`: greedy, `p_i` is the one-hot argmax, ties to the lowest id), then
+//! - temperature (finite and `>= 0`, the one rule of `dflash_config::check_temperature`; 0:
+//!   greedy, `p_i` is the one-hot argmax, ties to the lowest id), then
 //!   top-k, top-p, min-p.
 //!
 //! Acceptance (the `chain_accept` op): for `i = 0, 1, ..` test `d_(i+1)` against `p_i` with
@@ -148,7 +149,7 @@ pub struct VerifyRow<'a> {
     pub proposals: &'a [u32],
     /// Their proposal distribution.
     pub dist: ProposalDist<'a>,
-    /// The request's sampling settings (temperature `<= 0` is greedy).
+    /// The request's sampling settings (temperature finite and `>= 0`; 0 is greedy).
     pub settings: SamplingSettings,
     /// The request seed (the key of every draw).
     pub seed: u64,
