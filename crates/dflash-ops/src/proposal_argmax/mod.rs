@@ -292,15 +292,28 @@ pub(crate) fn exact_head_inputs(
     head: ProposalHead,
     coarse: bool,
 ) -> (Vec<bf16>, Vec<bf16>) {
-    let entry = |mix: &mut Mix| -> bf16 {
+    // Eight entries per 64 random bits (one byte each, reduced mod 17 or 3: the slight bias
+    // is irrelevant for fixtures; the official heads hold over a billion entries).
+    let levels: [bf16; 17] = std::array::from_fn(|k| {
         bf16::from_f32(if coarse {
-            (mix.below(3) as f32 - 1.0) / 2.0
+            (k % 3) as f32 / 2.0 - 0.5
         } else {
-            (mix.below(17) as f32 - 8.0) / 8.0
+            (k as f32 - 8.0) / 8.0
         })
+    });
+    let modulus = if coarse { 3 } else { 17 };
+    let mut fill = |len: usize, mix: &mut Mix| -> Vec<bf16> {
+        let mut out = Vec::with_capacity(len);
+        while out.len() < len {
+            let word = mix.next_u64();
+            for b in word.to_le_bytes().into_iter().take(len - out.len()) {
+                out.push(levels[usize::from(b) % modulus]);
+            }
+        }
+        out
     };
-    let x: Vec<bf16> = (0..n * hidden).map(|_| entry(mix)).collect();
-    let mut w: Vec<bf16> = (0..rows * hidden).map(|_| entry(mix)).collect();
+    let x: Vec<bf16> = fill(n * hidden, mix);
+    let mut w: Vec<bf16> = fill(rows * hidden, mix);
     let candidates = match head {
         ProposalHead::Full => public_vocab,
         ProposalHead::Indexed => rows,
