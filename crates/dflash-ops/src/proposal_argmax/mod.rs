@@ -302,7 +302,7 @@ pub(crate) fn exact_head_inputs(
         })
     });
     let modulus = if coarse { 3 } else { 17 };
-    let mut fill = |len: usize, mix: &mut Mix| -> Vec<bf16> {
+    let fill = |len: usize, mix: &mut Mix| -> Vec<bf16> {
         let mut out = Vec::with_capacity(len);
         while out.len() < len {
             let word = mix.next_u64();
