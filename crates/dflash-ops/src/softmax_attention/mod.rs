@@ -42,20 +42,27 @@
 //! ```
 //!
 //! CUDA (kernels/softmax_attention.cu; one body and one launcher for both attention ops, which
-//! differ only in the context map and the window). Work split: the Hq / Hkv query heads of a
-//! KV head times the live columns of a request form up to 64 query rows (four m16 tiles, one
-//! per warp) that share every K/V tile; grid (splits, Hkv * row blocks, rows), 128 threads. A
-//! row's key list is its visible context (here `[0, F)`) in tiles of 64 keys (16 for head
-//! dims above 128), then its live block columns; each active split takes consecutive tiles, so
-//! the work follows the live context (a row with 300 keys uses 5 tiles whatever the capacity).
-//! The launched split count is min([`split_count`], the device's resident blocks / (rows * Hkv
-//! * row blocks)). K/V tiles are staged through shared memory by cp.async, double buffered;
-//! Q K^T and P V run on the tensor cores (mma.m16n8k16, FP32 accumulation) with an online
-//! softmax in base 2; P is split into two 16-bit terms in V's dtype (FP16 for the context's F16
-//! V, BF16 for the block's V) so V is used exactly as stored. Each split writes FP32 partials
-//! (max, sum, accumulator) and its row's active split count; the merge (grid (Hq, cols, rows))
-//! combines the active splits exactly and writes the dead columns' zeros. Head dims are padded
-//! to 16, 32, 64, 128 or 256 with zeros in shared memory; D % 8 != 0 uses 4-byte copies.
+//! differ only in the context map and the window).
+//! - Work split: the Hq / Hkv query heads of a KV head times the live columns of a request
+//!   form up to 64 query rows (four m16 tiles) that share every K/V tile; grid (splits, Hkv *
+//!   row blocks, rows), 128 threads. A row's key list is its visible context (here `[0, F)`)
+//!   in tiles of 32 keys (16 for head dims above 128), then its live block columns; each
+//!   active split takes consecutive tiles, so the work follows the live context (a row with
+//!   300 keys uses 10 tiles whatever the capacity). The launched split count is
+//!   min([`split_count`], the device's resident blocks / (rows * Hkv * row blocks)).
+//! - Tiles: K/V tiles are staged through shared memory by cp.async in a 3-stage pipeline (2
+//!   tiles in flight while one is computed; 3 blocks per SM). Each warp owns an m16 tile; when
+//!   a request has at most 32 query rows, warp pairs split every tile's keys and combine their
+//!   states at the end. Q K^T and P V run on the tensor cores (mma.m16n8k16, FP32
+//!   accumulation) with an online softmax in base 2 (the accumulator is rescaled only when a
+//!   row's maximum grows). P is one FP16 term against the context's F16 V and two BF16 terms
+//!   (hi + lo) against the block's BF16 V; the softmax sum adds the same represented weights.
+//! - Merge: each split writes FP32 partials (max, sum, accumulator) and its row's active
+//!   split count; the merge (grid (Hq, cols, rows)) loads every split's weight once, combines
+//!   the active splits exactly and writes the dead columns' zeros.
+//! - Head dims are padded to 16, 32, 64, 128 or 256 with zeros in shared memory; D % 8 != 0
+//!   uses 4-byte copies; context slots are addressed in 32 bits (pages * page_size and lanes *
+//!   window at most 2^31 - 1 on CUDA).
 //!
 //! Shared math: [`crate::sliding_window_attention`] evaluates the same per-row helper.
 //! Sizes: [`workspace_len`], [`split_count`].
