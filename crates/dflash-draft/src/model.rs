@@ -800,7 +800,7 @@ pub struct SelectorBuffers {
 /// branch output (BF16), `[tokens, Hq*D]` Q raw (F32) + Q + attention output (BF16),
 /// `[tokens, Hkv*D]` K raw (F32) + K + V (BF16), three `[tokens, I]` MLP buffers (BF16),
 /// DFlash2's `[tokens, 2*H/16]` finish delta and its convolution scratch (`[2*tokens, H]` BF16
-/// + `[2*tokens, H/4]` F32), two `[rows*K, H]` mask streams, the head's
+/// and `[2*tokens, H/4]` F32), two `[rows*K, H]` mask streams, the head's
 /// partials (`workspace_len` of `proposal_argmax` / `unary_topk`: the fused head never stores
 /// its `[rows*K, head rows]` logits), the attention scratch (`workspace_len` of the ops, the
 /// maximum over layers) and the small per-row metadata.

@@ -21,9 +21,13 @@
 //! - `block`: one draft block (embedding, every layer over a populated context, final norm,
 //!   head; DFlash2 with its selector at T = 0.7). Floor: every weight the block reads plus the
 //!   visible context K/V of every layer.
+//!
 //! Timing: each graph holds `reps` back-to-back calls (inputs rotating), replayed after a
 //! warm-up; the time per call is the median over 7 timed replays (CUDA events).
 //! Floor rate: 4.1 TB/s (the practical H200 copy rate of GPU.md).
+
+#[path = "../report.rs"]
+mod report;
 
 use anyhow::{Context, Result, anyhow, bail};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -39,6 +43,7 @@ use dflash_ops::proposal_argmax::{self, ProposalHead};
 use dflash_ops::sliding_window_attention::{self as swa, LocalAttentionParams};
 use dflash_ops::softmax_attention::{self as fa, FullAttentionParams};
 use dflash_ops::{Backend, Buffer, Element, bf16, f16, gemm, unary_topk};
+use report::{driver_version, utc_now};
 
 const FLOOR_BYTES_PER_S: f64 = 4.1e12;
 /// Total bytes of rotating input copies an op benchmark spreads its reads over (> L2).
@@ -197,7 +202,7 @@ fn bench_sliding(cuda: &CudaBackend, d: &Draft, b: usize, k: usize, ctx: usize) 
     };
     let ring = p.lanes * s * HKV * D;
     let rk = random_buf(&be, ring, 1, bf)?;
-    let rv = random_buf(&be, ring, 2, |x| f16::from_f32(x))?;
+    let rv = random_buf(&be, ring, 2, f16::from_f32)?;
     let q = random_buf(&be, b * w * HQ * D, 3, |x| bf(2.0 * x))?;
     let kb = random_buf(&be, b * w * HKV * D, 4, |x| bf(2.0 * x))?;
     let vb = random_buf(&be, b * w * HKV * D, 5, bf)?;
@@ -254,7 +259,7 @@ fn bench_full(cuda: &CudaBackend, d: &Draft, b: usize, k: usize, ctx: usize) -> 
     };
     let slots = p.pages * PAGE_SIZE * HKV * D;
     let pk = random_buf(&be, slots, 11, bf)?;
-    let pv = random_buf(&be, slots, 12, |x| f16::from_f32(x))?;
+    let pv = random_buf(&be, slots, 12, f16::from_f32)?;
     let q = random_buf(&be, b * w * HQ * D, 13, |x| bf(2.0 * x))?;
     let kb = random_buf(&be, b * w * HKV * D, 14, |x| bf(2.0 * x))?;
     let vb = random_buf(&be, b * w * HKV * D, 15, bf)?;
@@ -546,50 +551,6 @@ fn profile(cuda: &CudaBackend, which: &str) -> Result<()> {
     cuda.synchronize()?;
     eprintln!("profiled 2 blocks of {which} (B=1, K=7, context 2048)");
     Ok(())
-}
-
-/// Days since 1970-01-01 to (year, month, day) (Howard Hinnant's civil_from_days).
-fn civil(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
-
-fn utc_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    let (y, m, d) = civil(secs.div_euclid(86_400));
-    let s = secs.rem_euclid(86_400);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02} UTC",
-        s / 3600,
-        s / 60 % 60
-    )
-}
-
-fn driver_version() -> String {
-    std::fs::read_to_string("/proc/driver/nvidia/version")
-        .ok()
-        .and_then(|t| {
-            t.lines().next().and_then(|l| {
-                l.split_whitespace()
-                    .find(|w| {
-                        w.split('.').count() >= 2
-                            && w.split('.')
-                                .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
-                    })
-                    .map(str::to_string)
-            })
-        })
-        .unwrap_or_else(|| "unknown".into())
 }
 
 /// The target for a row (description, met?), or None.

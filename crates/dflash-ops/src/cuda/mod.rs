@@ -38,9 +38,12 @@ struct Inner {
     include_dir: String,
     limits: DeviceLimits,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    kernels: Mutex<HashMap<(&'static str, &'static str, usize), Kernel>>,
+    kernels: Mutex<KernelCache>,
     blas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
 }
+
+/// Prepared kernels by (module, function, dynamic shared memory bytes).
+type KernelCache = HashMap<(&'static str, &'static str, usize), Kernel>;
 
 /// Device limits the launchers size their grids and tiles by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -314,11 +317,7 @@ impl CudaBackend {
         Ok(k)
     }
 
-    fn lock_kernels(
-        &self,
-        module: &str,
-    ) -> Result<std::sync::MutexGuard<'_, HashMap<(&'static str, &'static str, usize), Kernel>>>
-    {
+    fn lock_kernels(&self, module: &str) -> Result<std::sync::MutexGuard<'_, KernelCache>> {
         self.inner.kernels.lock().map_err(|_| OpsError::Cuda {
             context: format!("kernel cache ({module})"),
             message: "lock poisoned".into(),

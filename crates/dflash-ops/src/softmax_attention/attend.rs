@@ -675,9 +675,9 @@ mod tests {
         // among the architectures the crates support (sm_80 and later).
         for d in [2, 16, 18, 32, 64, 100, 128, 130, 256] {
             let dp = padded_head_dim(d);
-            assert!(dp >= d && dp % 16 == 0, "{d} -> {dp}");
+            assert!(dp >= d && dp.is_multiple_of(16), "{d} -> {dp}");
             assert!(smem_bytes(dp) <= 99 * 1024, "{dp}: {}", smem_bytes(dp));
-            assert_eq!(tile_keys(dp) % 16, 0);
+            assert!(tile_keys(dp).is_multiple_of(16));
         }
         assert_eq!(padded_head_dim(128), 128);
         // Q (64 rows) + 3 stages of 32 K and 32 V rows of 136 elements + 3 kpos arrays.
