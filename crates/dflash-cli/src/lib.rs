@@ -354,14 +354,17 @@ impl Fixture {
         )?)
     }
 
-    /// Load the draft model on `be`.
+    /// Load the draft model on `be`. The config is parsed leniently: it is the one the run
+    /// plan already checked in the user's mode, with its unknown fields reported then.
     pub fn draft(&self, be: &Backend) -> Result<DraftModel> {
-        Ok(DraftModel::load(
+        let (model, _already_reported) = DraftModel::load_reported(
             be,
             self.draft_dir(),
             &target_text_config(),
             &BindOptions::default(),
-        )?)
+            ParseMode::Lenient,
+        )?;
+        Ok(model)
     }
 
     /// The target parts the draft borrows (the target's embedding and full output head), read

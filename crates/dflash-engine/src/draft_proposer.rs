@@ -281,13 +281,29 @@ fn workspace_bytes(model: &DraftModel, s: &Startup, cap: &Capacity, head_rows: u
         + tokens * hkv * d * 2 // k, v
         + tokens * inter * 3 // gate, up, act
         + cols * h * 2; // mask raw, mask hidden
-    let mut f32s = tokens * hq * d + tokens * hkv * d + cols * head_rows as u64;
+    // The fused head keeps per-block partials, never the [cols, head rows] logits.
+    let head_p = dflash_ops::proposal_argmax::Params {
+        n: cols as usize,
+        rows: head_rows,
+        hidden: h as usize,
+        public_vocab: head_rows,
+        head: dflash_ops::proposal_argmax::ProposalHead::Full,
+    };
+    let head_ws = if g.dflash2.is_some() {
+        dflash_ops::unary_topk::workspace_len(&head_p)
+    } else {
+        dflash_ops::proposal_argmax::workspace_len(&head_p)
+    };
+    let mut f32s = tokens * hq * d + tokens * hkv * d + head_ws as u64;
     let mut i32s = tokens + rows * 6 + cols; // ids, per-row metadata and seeds, proposals
     if g.has_full_pool {
         i32s += rows * cap.max_pages_per_lane as u64;
     }
     if let Some(p) = &g.dflash2 {
         bf += tokens * h + tokens * 2 * (h / 16) + cols * u64::from(p.selector_rank);
+        // The convolution's prepare scratch: the split products and the increments.
+        bf += 2 * tokens * h;
+        f32s += tokens * h / 2 + tokens;
         f32s += 2 * cols * TOP_K as u64;
         i32s += cols * TOP_K as u64 + cols;
     }
