@@ -265,9 +265,12 @@ fn config_that_does_not_fit_the_target_is_refused() {
     synthetic::write_checkpoint(&dir, &cfg, &target, 9, Layout::Single).expect("write");
     let mut other = target.clone();
     other.hidden_size = 48;
-    assert!(matches!(
-        DraftModel::load(&Backend::cpu(), &dir, &other, &BindOptions::default()),
-        Err(DraftError::Config(_))
-    ));
+    // The error names the config file and carries the config error.
+    match DraftModel::load(&Backend::cpu(), &dir, &other, &BindOptions::default()) {
+        Err(DraftError::ConfigFile { path, .. }) => {
+            assert!(path.ends_with("config.json"), "{path}");
+        }
+        other => panic!("expected a config-file error, got {other:?}"),
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
