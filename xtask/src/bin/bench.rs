@@ -184,13 +184,50 @@ fn attention_io_bytes(b: usize, w: usize) -> f64 {
     (b * w * (HQ * D * 2 * 2 + HKV * D * 2 * 2)) as f64
 }
 
+/// How many copies of the context one attention benchmark rotates over so that its reads
+/// exceed the L2 cache (`per_set` bytes per copy).
+fn rotation_sets(per_set: usize) -> usize {
+    (ROTATE_BYTES / per_set.max(1)).clamp(1, 16)
+}
+
+/// The block-side tensors of one attention call over B requests of W live columns at
+/// frontier `ctx`: q, the block's K and V, start positions, live counts, output, workspace.
+struct AttnIo {
+    q: Buffer<bf16>,
+    kb: Buffer<bf16>,
+    vb: Buffer<bf16>,
+    sp: Buffer<i32>,
+    lv: Buffer<i32>,
+    out: Buffer<bf16>,
+    ws: Buffer<f32>,
+}
+
+fn attn_io(
+    be: &Backend,
+    b: usize,
+    w: usize,
+    ctx: usize,
+    ws_len: usize,
+    seed: u64,
+) -> Result<AttnIo> {
+    Ok(AttnIo {
+        q: random_buf(be, b * w * HQ * D, seed, |x| bf(2.0 * x))?,
+        kb: random_buf(be, b * w * HKV * D, seed + 1, |x| bf(2.0 * x))?,
+        vb: random_buf(be, b * w * HKV * D, seed + 2, bf)?,
+        sp: be.upload(&vec![ctx as i32; b])?,
+        lv: be.upload(&vec![w as i32; b])?,
+        out: be.zeros::<bf16>(b * w * HQ * D)?,
+        ws: be.zeros::<f32>(ws_len)?,
+    })
+}
+
 fn bench_sliding(cuda: &CudaBackend, d: &Draft, b: usize, k: usize, ctx: usize) -> Result<Row> {
     let be = Backend::Cuda(cuda.clone());
     let w = k + 1;
     let s = d.window;
     let vis = ctx.min(s - 1);
     let per_set = b * vis * HKV * D * 4;
-    let sets = (ROTATE_BYTES / per_set.max(1)).clamp(1, 16);
+    let sets = rotation_sets(per_set);
     let p = LocalAttentionParams {
         rows: b,
         cols: w,
@@ -203,29 +240,32 @@ fn bench_sliding(cuda: &CudaBackend, d: &Draft, b: usize, k: usize, ctx: usize) 
     let ring = p.lanes * s * HKV * D;
     let rk = random_buf(&be, ring, 1, bf)?;
     let rv = random_buf(&be, ring, 2, f16::from_f32)?;
-    let q = random_buf(&be, b * w * HQ * D, 3, |x| bf(2.0 * x))?;
-    let kb = random_buf(&be, b * w * HKV * D, 4, |x| bf(2.0 * x))?;
-    let vb = random_buf(&be, b * w * HKV * D, 5, bf)?;
+    let mut io = attn_io(&be, b, w, ctx, swa::workspace_len(&p), 3)?;
     let lanes: Vec<Buffer<i32>> = (0..sets)
         .map(|st| be.upload(&(0..b).map(|r| (st * b + r) as i32).collect::<Vec<_>>()))
         .collect::<dflash_ops::Result<_>>()?;
-    let sp = be.upload(&vec![ctx as i32; b])?;
-    let lv = be.upload(&vec![w as i32; b])?;
-    let mut out = be.zeros::<bf16>(b * w * HQ * D)?;
-    let mut ws = be.zeros::<f32>(swa::workspace_len(&p))?;
     let t = time_graph(cuda, 4 * sets.max(4), |i| {
+        let AttnIo {
+            q,
+            kb,
+            vb,
+            sp,
+            lv,
+            out,
+            ws,
+        } = &mut io;
         swa::run(
             &be,
-            &q,
-            &kb,
-            &vb,
+            q,
+            kb,
+            vb,
             &rk,
             &rv,
             &lanes[i % sets],
-            &sp,
-            &lv,
-            &mut out,
-            &mut ws,
+            sp,
+            lv,
+            out,
+            ws,
             &p,
         )
         .map_err(Into::into)
@@ -245,7 +285,7 @@ fn bench_full(cuda: &CudaBackend, d: &Draft, b: usize, k: usize, ctx: usize) -> 
     let be = Backend::Cuda(cuda.clone());
     let w = k + 1;
     let per_set = b * ctx * HKV * D * 4;
-    let sets = (ROTATE_BYTES / per_set.max(1)).clamp(1, 16);
+    let sets = rotation_sets(per_set);
     let ppr = ctx.div_ceil(PAGE_SIZE);
     let p = FullAttentionParams {
         rows: b,
@@ -260,36 +300,39 @@ fn bench_full(cuda: &CudaBackend, d: &Draft, b: usize, k: usize, ctx: usize) -> 
     let slots = p.pages * PAGE_SIZE * HKV * D;
     let pk = random_buf(&be, slots, 11, bf)?;
     let pv = random_buf(&be, slots, 12, f16::from_f32)?;
-    let q = random_buf(&be, b * w * HQ * D, 13, |x| bf(2.0 * x))?;
-    let kb = random_buf(&be, b * w * HKV * D, 14, |x| bf(2.0 * x))?;
-    let vb = random_buf(&be, b * w * HKV * D, 15, bf)?;
+    let mut io = attn_io(&be, b, w, ctx, fa::workspace_len(&p), 13)?;
     let tables: Vec<Buffer<i32>> = (0..sets)
         .map(|st| {
-            // Request r of set st holds pages (st * b + r) * ppr + j, interleaved with the
-            // other requests' pages (a scattered table).
+            // Page j of request r in set st is page (j * b + r) * sets + st: the requests'
+            // and the sets' pages interleave (a scattered table).
             let t: Vec<i32> = (0..b)
                 .flat_map(|r| (0..ppr).map(move |j| ((j * b + r) * sets + st) as i32))
                 .collect();
             be.upload(&t)
         })
         .collect::<dflash_ops::Result<_>>()?;
-    let sp = be.upload(&vec![ctx as i32; b])?;
-    let lv = be.upload(&vec![w as i32; b])?;
-    let mut out = be.zeros::<bf16>(b * w * HQ * D)?;
-    let mut ws = be.zeros::<f32>(fa::workspace_len(&p))?;
     let t = time_graph(cuda, 4 * sets.max(4), |i| {
+        let AttnIo {
+            q,
+            kb,
+            vb,
+            sp,
+            lv,
+            out,
+            ws,
+        } = &mut io;
         fa::run(
             &be,
-            &q,
-            &kb,
-            &vb,
+            q,
+            kb,
+            vb,
             &pk,
             &pv,
             &tables[i % sets],
-            &sp,
-            &lv,
-            &mut out,
-            &mut ws,
+            sp,
+            lv,
+            out,
+            ws,
             &p,
         )
         .map_err(Into::into)

@@ -161,18 +161,18 @@ pub(crate) const NT_CHOICES: [usize; 5] = [1, 2, 4, 8, 16];
 /// not even `nt = 1` fits.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn choose_nt(n: usize, limit: usize, smem: impl Fn(usize) -> usize) -> Option<usize> {
-    let fits: Vec<usize> = NT_CHOICES
-        .iter()
-        .copied()
-        .filter(|&nt| smem(nt) <= limit)
-        .collect();
-    let largest = *fits.last()?;
-    Some(
-        fits.iter()
-            .copied()
-            .find(|&nt| 8 * nt >= n)
-            .unwrap_or(largest),
-    )
+    let mut fits = NT_CHOICES.iter().copied().filter(|&nt| smem(nt) <= limit);
+    let mut largest = fits.next()?;
+    if 8 * largest >= n {
+        return Some(largest);
+    }
+    for nt in fits {
+        largest = nt;
+        if 8 * nt >= n {
+            break;
+        }
+    }
+    Some(largest)
 }
 
 #[cfg(feature = "cuda")]
