@@ -21,10 +21,27 @@
 // Partials (f32 words; P = gridDim.x): ws[((col * P + b) * K + j) * 2] = value,
 // ws[... + 1] = the global id's bits; K = 1 (argmax) or 16 (top-16, best first).
 
-#define PH_THREADS 128
+#define PH_THREADS 128  // the consumer threads (one warpgroup): they run the epilogues
 #define PH_WARPS 4
+#ifndef PH_WGMMA
+#define PH_BLOCK_THREADS PH_THREADS
+#define PH_SYNC() __syncthreads()
+#define PH_SYNC_OR(x) __syncthreads_or(x)
+#else
+#define PH_BLOCK_THREADS (PH_THREADS + 32)  // + the TMA producer warp
+// Barriers of the consumer warpgroup only (named barrier 1; the producer never joins).
+#define PH_SYNC() asm volatile("bar.sync 1, 128;\n" ::: "memory")
+__device__ __forceinline__ int ph_sync_or(int v) {
+    int r;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.s32 p, %1, 0;\nbar.red.or.pred q, 1, 128, p;\nselp.s32 %0, 1, 0, q;\n}\n"
+                 : "=r"(r)
+                 : "r"(v)
+                 : "memory");
+    return r;
+}
+#define PH_SYNC_OR(x) ph_sync_or(x)
+#endif
 #define PH_TV 128
-#define PH_STAGES 3
 #define PH_NEG_INF __int_as_float(0xff800000)
 #define PH_NO_ID 0x7fffffff
 
@@ -33,7 +50,11 @@ __device__ __forceinline__ bool ph_beats(float v, int id, float bv, int bid) {
 }
 
 // Stage geometry for NT column tiles (NC = 8 * NT columns). Mirrored by the launcher
-// (`head::stage_bytes`).
+// (`head::pipe_bytes`). The portable driver pads smem rows to 72 elements (conflict-free
+// ldmatrix); the wgmma driver stores 64-element rows in the 128-byte swizzled layout that its
+// shared-memory descriptors name, 1024-byte aligned (hence the slack).
+#ifndef PH_WGMMA
+#define PH_STAGES 3
 template <int NT>
 struct PhCfg {
     static constexpr int NC = 8 * NT;
@@ -43,6 +64,30 @@ struct PhCfg {
     static constexpr int STAGE = W_ELEMS + NC * LD;     // bf16 elements per stage
     static constexpr int PIPE_BYTES = PH_STAGES * STAGE * 2;
 };
+#else
+#define PH_STAGES 5
+template <int NT>
+struct PhCfg {
+    static constexpr int NC = 8 * NT;
+    static constexpr int KC = 64;
+    static constexpr int LD = KC;
+    static constexpr int W_ELEMS = PH_TV * LD;
+    static constexpr int STAGE = W_ELEMS + NC * LD;
+    static constexpr int PIPE_BYTES = PH_STAGES * STAGE * 2 + 1024 + 2 * PH_STAGES * 8;  // + slack, mbarriers
+};
+#endif
+
+// Row (within a 128-row tile) of accumulator element acc[mt][nt][2 * h + e] of this thread:
+// the portable driver gives each warp 32 consecutive rows (two m16 tiles); the wgmma driver
+// runs two m64 wgmma per warpgroup, so warp w holds rows 16w.. of each 64-row half.
+__device__ __forceinline__ int ph_frag_row(int mt, int h) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#ifndef PH_WGMMA
+    return warp * 32 + mt * 16 + (lane >> 2) + 8 * h;
+#else
+    return mt * 64 + warp * 16 + (lane >> 2) + 8 * h;
+#endif
+}
 
 // What the epilogues need to know about the rows of a tile.
 struct PhRows {
@@ -56,14 +101,13 @@ struct PhRows {
     }
 };
 
-// One warp's 32-row slice: for each thread, its rows r0 + warp * 32 + mt * 16 + g + 8 * h.
+// Global head row of accumulator element acc[mt][nt][2 * h + e] of a tile starting at r0.
 __device__ __forceinline__ long long ph_row(long long r0, int mt, int h) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    return r0 + warp * 32 + mt * 16 + (lane >> 2) + 8 * h;
+    return r0 + ph_frag_row(mt, h);
 }
 
 // The block's best (value, id) per column of this tile and warp, reduced over the warp's 32
-// rows; lanes with g == 0 hold the result for their columns 8 * nt + 2 * q + e.
+// rows (whichever they are, see ph_frag_row); lanes with g == 0 hold the result for their columns 8 * nt + 2 * q + e.
 template <int NT>
 __device__ __forceinline__ void ph_warp_best(const float (&acc)[2][NT][4], const int (&ids)[2][2],
                                              float (&bv)[NT][2], int (&bi)[NT][2]) {
@@ -95,6 +139,7 @@ __device__ __forceinline__ void ph_warp_best(const float (&acc)[2][NT][4], const
     }
 }
 
+#ifndef PH_WGMMA
 // The GEMM driver: streams this block's head rows, calling epi.tile(acc, r0, row_end) after
 // every 128-row tile and epi.finish() at the end. All threads call both (they synchronize).
 template <int NT, class Epi>
@@ -207,6 +252,161 @@ __device__ __forceinline__ void ph_run(const __nv_bfloat16* __restrict__ hidden,
     epi.finish();
 }
 
+#else  // PH_WGMMA: the sm_90a driver
+
+__device__ __forceinline__ void ph_wgmma(float (&d)[8][4], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+__device__ __forceinline__ void ph_wgmma(float (&d)[16][4], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzled layout: rows of
+// 64 BF16 (128 B), 8-row core groups 1024 B apart (the stride byte offset), the leading byte
+// offset unused for this layout; bits 62-63 = 1 selects the 128-byte swizzle.
+__device__ __forceinline__ u64 ph_desc(const void* p) {
+    const u64 a = df_smem_u32(p);
+    return ((a & 0x3FFFFull) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void ph_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void ph_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void ph_wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a
+// __grid_constant__ kernel parameter; encoded on the host by the launcher.
+struct __align__(64) PhTmap {
+    u64 w[16];
+};
+
+__device__ __forceinline__ void ph_mbar_init(unsigned bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void ph_mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void ph_mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait until the phase of parity `parity` of barrier `bar` has completed. The spin loop stays
+// inside one asm block (scoped labels): a C++ loop here would make ptxas see the wgmma chain
+// as divergent and serialize it.
+__device__ __forceinline__ void ph_mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nPH_WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@p bra PH_DONE;\n"
+        "bra PH_WAIT;\nPH_DONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// TMA: the box at element coordinates (x = K, y = row) of `map` into shared memory at `dst`,
+// completing `bytes` of transaction on `bar`.
+__device__ __forceinline__ void ph_tma_2d(unsigned dst, const PhTmap* map, int x, int y, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+
+// The sm_90a GEMM driver: same contract, work split and epilogue calls as the portable one
+// above. A block is one consumer warpgroup (warps 0-3) plus one producer warp (warp 4). The
+// producer's lane 0 streams the block's K chunks through PH_STAGES shared-memory stages with
+// TMA (a 128 x 64 head box and an NC x 64 hidden box per stage, 128-byte swizzled by the TMA
+// unit, rows and columns past the tensors zero-filled): stage s is announced full by
+// mbarrier full[s] (transaction bytes) and handed back by empty[s] (an arrival of every
+// consumer thread). Each 128-row tile is two m64nNCk16 wgmma chains; one wgmma group stays
+// in flight while the next is issued, and a stage is released as soon as the group that read
+// it has completed.
+template <int NT, class Epi>
+__device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm_head, int n, int rows,
+                                       int H, unsigned char* smem, Epi& epi) {
+    typedef PhCfg<NT> C;
+    constexpr int NC = C::NC, KC = C::KC, S = PH_STAGES;
+    constexpr unsigned STAGE_BYTES = (unsigned)C::STAGE * 2u;
+    unsigned char* base = smem + ((1024 - (df_smem_u32(smem) & 1023)) & 1023);
+    __nv_bfloat16* pipe = reinterpret_cast<__nv_bfloat16*>(base);
+    const unsigned bars = df_smem_u32(base + S * STAGE_BYTES);  // full[S], then empty[S]
+    const int tid = threadIdx.x;
+    // Warp-uniform (and provably so for ptxas) role index: 0-3 consumers, 4 the producer.
+    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+    const int col0 = blockIdx.y * NC;
+    const long long per = ((long long)rows + gridDim.x - 1) / gridDim.x;
+    const long long chunk = (per + 15) / 16 * 16;
+    const long long row_begin = (long long)blockIdx.x * chunk;
+    const long long row_end = min((long long)rows, row_begin + chunk);
+    const int tiles = row_begin < row_end ? (int)((row_end - row_begin + PH_TV - 1) / PH_TV) : 0;
+    const int kch = (H + KC - 1) / KC;
+    const int total = tiles * kch;
+    if (tid == 0) {
+        for (int s = 0; s < S; ++s) {
+            ph_mbar_init(bars + 8 * s, 1);
+            ph_mbar_init(bars + 8 * (S + s), PH_THREADS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == PH_WARPS) {  // the producer warp
+        if ((tid & 31) == 0) {
+            for (int j = 0; j < total; ++j) {
+                const int s = j % S;
+                if (j >= S) ph_mbar_wait(bars + 8 * (S + s), (unsigned)((j / S - 1) & 1));
+                const unsigned full = bars + 8 * s;
+                ph_mbar_expect_tx(full, STAGE_BYTES);
+                const int k0 = (j % kch) * KC;
+                const int r0 = (int)(row_begin + (long long)(j / kch) * PH_TV);
+                const unsigned ws = df_smem_u32(pipe + s * C::STAGE);
+                ph_tma_2d(ws, tm_head, k0, r0, full);
+                ph_tma_2d(ws + C::W_ELEMS * 2, tm_hidden, k0, col0, full);
+            }
+        }
+        return;
+    }
+    epi.init();
+    PH_SYNC();
+    // The accumulators are only written by wgmma (the first of each tile overwrites them,
+    // accumulate = 0) and only read by the epilogue after wait_group 0, so ptxas never has to
+    // serialize the chain.
+    float acc[2][NT][4];
+    int it = 0;
+    for (int t = 0; t < tiles; ++t) {
+        for (int kc = 0; kc < kch; ++kc, ++it) {
+            const int s = it % S;
+            ph_mbar_wait(bars + 8 * s, (unsigned)((it / S) & 1));
+            const __nv_bfloat16* Ws = pipe + s * C::STAGE;
+            const __nv_bfloat16* Xs = Ws + C::W_ELEMS;
+            ph_wg_fence();
+#pragma unroll
+            for (int k16 = 0; k16 < KC / 16; ++k16) {
+                const u64 db = ph_desc(Xs + k16 * 16);
+                const int accumulate = (kc > 0 || k16 > 0) ? 1 : 0;
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+                    ph_wgmma(acc[mt], ph_desc(Ws + mt * 64 * KC + k16 * 16), db, accumulate);
+            }
+            ph_wg_commit();
+            ph_wg_wait<1>();
+            // The group of iteration it - 1 has completed: hand its stage back.
+            if (kc > 0) ph_mbar_arrive(bars + 8 * (S + (it - 1) % S));
+        }
+        ph_wg_wait<0>();
+        ph_mbar_arrive(bars + 8 * (S + (it - 1) % S));
+        epi.tile(acc, row_begin + (long long)t * PH_TV, row_end);
+    }
+    epi.finish();
+}
+#endif  // PH_WGMMA
+
 // Argmax epilogue: a running best (value, id) per column in shared memory.
 template <int NT>
 struct PhArgmax {
@@ -249,7 +449,7 @@ struct PhArgmax {
                     wi[warp * NC + c] = id[nt][e];
                 }
         }
-        __syncthreads();
+        PH_SYNC();
         for (int c = threadIdx.x; c < NC; c += PH_THREADS) {
             float b = bv[c];
             int bid = bi[c];
@@ -260,7 +460,10 @@ struct PhArgmax {
             bv[c] = b;
             bi[c] = bid;
         }
-        // The next write of wv / wi follows the next tile's pipeline barrier.
+#ifdef PH_WGMMA
+        PH_SYNC();  // wv / wi are rewritten by the next tile (no pipeline barrier in between)
+#endif
+        // Portable: the next write of wv / wi follows the next tile's pipeline barrier.
     }
     __device__ __forceinline__ void finish() {
         const int P = gridDim.x;
@@ -274,20 +477,31 @@ struct PhArgmax {
     }
 };
 
+// Entry parameters and the driver's operands: raw pointers (portable) or the TMA maps of
+// hidden and head (sm_90a); the rest is shared.
+#ifndef PH_WGMMA
+#define PH_OPERANDS const __nv_bfloat16 *hidden, const __nv_bfloat16 *head
+#define PH_RUN_OPERANDS hidden, head
+#else
+#define PH_OPERANDS const __grid_constant__ PhTmap tm_hidden, const __grid_constant__ PhTmap tm_head
+#define PH_RUN_OPERANDS &tm_hidden, &tm_head
+#endif
+
 #define PH_ARGMAX_ENTRY(NT)                                                                     \
-    extern "C" __global__ void __launch_bounds__(PH_THREADS) proposal_argmax_gemm_nt##NT(       \
-        const __nv_bfloat16* hidden, const __nv_bfloat16* head, const int* token_ids,          \
-        float* ws, int n, int rows, int H, int public_vocab) {                                   \
+    extern "C" __global__ void __launch_bounds__(PH_BLOCK_THREADS, 1) proposal_argmax_gemm_nt##NT( \
+        PH_OPERANDS, const int* token_ids, float* ws, int n, int rows, int H, int public_vocab) { \
         extern __shared__ __align__(16) unsigned char ph_smem[];                                \
         PhRows rw;                                                                               \
         rw.token_ids = token_ids;                                                                \
         rw.considered = public_vocab;                                                            \
         PhArgmax<NT> epi(ph_smem + PhCfg<NT>::PIPE_BYTES, rw, ws, n);                            \
-        ph_run<NT>(hidden, head, n, rows, H, ph_smem, epi);                                      \
+        ph_run<NT>(PH_RUN_OPERANDS, n, rows, H, ph_smem, epi);                                   \
     }
+#ifndef PH_WGMMA
 PH_ARGMAX_ENTRY(1)
 PH_ARGMAX_ENTRY(2)
 PH_ARGMAX_ENTRY(4)
+#endif
 PH_ARGMAX_ENTRY(8)
 PH_ARGMAX_ENTRY(16)
 

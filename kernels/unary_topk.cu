@@ -6,157 +6,133 @@
 // the partial layout) first and this file after it; only the epilogue and the merge differ.
 //
 // Epilogue. Each block keeps, per column, its running top-16 (sorted, best first) in shared
-// memory. After a tile: (1) every warp reduces its 32 rows to a best per column and the block
-// combines the four warps; a column is "hot" only if that best beats the column's current
-// 16th entry (otherwise nothing in the tile can enter). (2) Only if some column is hot, the
-// tile's logits go to shared memory 16 columns at a time and one warp per hot column
-// extracts the tile's candidates best-first (warp argmax over 128 rows) and inserts them
-// into the list until the next one no longer beats the 16th entry (at most 16 insertions).
-// After the first tiles of a block almost no column is hot, so the steady state costs one
-// reduction per tile.
+// memory; the 16th entry is the column's threshold. After a tile every thread tests its own
+// accumulator elements against their column's threshold; only those that beat it (in the
+// total order) are appended to the column's candidate buffer (UT_CAP slots, a shared-memory
+// atomic per append), and one warp per column with candidates merges them into its list by
+// rank (see `insert`). When a buffer overflows (the first tiles of a
+// block, whose lists are still empty), the pass repeats over the elements not yet appended,
+// against the raised thresholds; an element that failed a threshold can never enter later
+// (thresholds only rise), so the final lists are exact. In the steady state a tile costs one
+// compare per logit and a few insertions per column.
 // Merge: one block per column takes the top-16 of the P * 16 partial candidates (a sorted
 // list per thread, then 16 rounds of a block-wide argmax over the list heads).
 
 #define UT_K 16
-#define UT_SLAB 16  // columns of logits staged at once on the hot path
+#define UT_CAP 32  // candidate slots per column and pass (one per lane of the inserting warp)
 
-// Top-16 epilogue of the head GEMM (see above). Shared memory: warp bests, the lists, hot
-// flags, the tile's row ids and one slab of logits.
 template <int NT>
 struct PhTopk {
     static constexpr int NC = 8 * NT;
-    static constexpr int SLAB = NC < UT_SLAB ? NC : UT_SLAB;
-    static constexpr int SMEM_BYTES =
-        PH_WARPS * NC * 8 + NC * UT_K * 8 + NC * 4 + PH_TV * 4 + SLAB * PH_TV * 4;  // mirrored by the launcher
-    float* wv;     // [PH_WARPS][NC]
-    int* wi;
-    float* lv;     // [NC][UT_K]
+    static constexpr int SMEM_BYTES = NC * UT_K * 8 + NC * 4 + NC * UT_CAP * 8;  // mirrored by the launcher
+    float* lv;   // [NC][UT_K] running lists, best first
     int* li;
-    int* hot;      // [NC]
-    int* tids;     // [PH_TV] ids of the tile's rows (PH_NO_ID when not a candidate)
-    float* slab;   // [SLAB][PH_TV]
+    int* cnt;    // [NC] candidates appended this pass (may exceed UT_CAP: overflow)
+    float* cv;   // [NC][UT_CAP]
+    int* ci;
     PhRows rw;
     float* ws;
     int n;
     __device__ __forceinline__ PhTopk(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_)
         : rw(rows_), ws(ws_), n(n_) {
-        wv = reinterpret_cast<float*>(epi_smem);
-        wi = reinterpret_cast<int*>(wv + PH_WARPS * NC);
-        lv = reinterpret_cast<float*>(wi + PH_WARPS * NC);
+        lv = reinterpret_cast<float*>(epi_smem);
         li = reinterpret_cast<int*>(lv + NC * UT_K);
-        hot = li + NC * UT_K;
-        tids = hot + NC;
-        slab = reinterpret_cast<float*>(tids + PH_TV);
+        cnt = li + NC * UT_K;
+        cv = reinterpret_cast<float*>(cnt + NC);
+        ci = reinterpret_cast<int*>(cv + NC * UT_CAP);
     }
     __device__ __forceinline__ void init() {
         for (int e = threadIdx.x; e < NC * UT_K; e += PH_THREADS) { lv[e] = PH_NEG_INF; li[e] = PH_NO_ID; }
+        for (int c = threadIdx.x; c < NC; c += PH_THREADS) cnt[c] = 0;
     }
 
-    // One warp: merge the candidates of slab column `cl` (ids tids) into list `c`.
-    __device__ __forceinline__ void select(int cl, int c) {
+    // One warp: merge the candidates of column c (lane k holds candidate k) into its list
+    // (lane j < 16 holds entry j) by rank: an element's new position is the number of
+    // elements of the union that beat it (the order is total and the ids are distinct, so the
+    // ranks of the valid elements are distinct, and the empty entries (-inf, no id) follow
+    // them in order); those ranked below 16 are written to their slot. Every step is an
+    // independent shuffle and compare (no chain per candidate). Then empty the buffer.
+    __device__ __forceinline__ void insert(int c) {
         const int lane = threadIdx.x & 31;
-        float cv[4];
-        int ci[4];
+        const int m = min(cnt[c], UT_CAP);
+        const float x = lane < m ? cv[c * UT_CAP + lane] : PH_NEG_INF;
+        const int xi = lane < m ? ci[c * UT_CAP + lane] : PH_NO_ID;
+        const float mv = lane < UT_K ? lv[c * UT_K + lane] : PH_NEG_INF;
+        const int mi = lane < UT_K ? li[c * UT_K + lane] : PH_NO_ID;
+        int rank_x = 0, rank_m = lane;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int rr = lane + 32 * j;
-            ci[j] = tids[rr];
-            float x = slab[cl * PH_TV + rr];
-            if (x != x || ci[j] == PH_NO_ID) x = PH_NEG_INF;
-            cv[j] = x;
+        for (int j = 0; j < UT_K; ++j) {
+            const float ov = __shfl_sync(0xffffffffu, mv, j);
+            const int oi = __shfl_sync(0xffffffffu, mi, j);
+            rank_x += ph_beats(ov, oi, x, xi) ? 1 : 0;
         }
-        float mv = lane < UT_K ? lv[c * UT_K + lane] : PH_NEG_INF;
-        int mi = lane < UT_K ? li[c * UT_K + lane] : PH_NO_ID;
-        for (int round = 0; round < UT_K; ++round) {
-            // This lane's best remaining candidate, then the warp's.
-            float bv = cv[0];
-            int bi = ci[0], bj = 0;
 #pragma unroll
-            for (int j = 1; j < 4; ++j)
-                if (ph_beats(cv[j], ci[j], bv, bi)) { bv = cv[j]; bi = ci[j]; bj = j; }
-            int bl = lane;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-                const int ol = __shfl_xor_sync(0xffffffffu, bl, off);
-                if (ph_beats(ov, oi, bv, bi)) { bv = ov; bi = oi; bl = ol; }
-            }
-            const float tv = __shfl_sync(0xffffffffu, mv, UT_K - 1);
-            const int ti = __shfl_sync(0xffffffffu, mi, UT_K - 1);
-            if (!ph_beats(bv, bi, tv, ti)) break;  // uniform: every lane sees the same values
-            // Insert at pos = number of entries that beat it; entries below shift down.
-            const unsigned above = __ballot_sync(0xffffffffu, lane < UT_K && ph_beats(mv, mi, bv, bi));
-            const int pos = __popc(above);
-            const float uv = __shfl_up_sync(0xffffffffu, mv, 1);
-            const int ui = __shfl_up_sync(0xffffffffu, mi, 1);
-            if (lane < UT_K) {
-                if (lane == pos) { mv = bv; mi = bi; }
-                else if (lane > pos) { mv = uv; mi = ui; }
-            }
-            if (lane == bl) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if (j == bj) { cv[j] = PH_NEG_INF; ci[j] = PH_NO_ID; }
-            }
+        for (int k = 0; k < UT_CAP; ++k) {
+            const float ov = __shfl_sync(0xffffffffu, x, k);
+            const int oi = __shfl_sync(0xffffffffu, xi, k);
+            rank_x += ph_beats(ov, oi, x, xi) ? 1 : 0;
+            rank_m += ph_beats(ov, oi, mv, mi) ? 1 : 0;
         }
-        if (lane < UT_K) { lv[c * UT_K + lane] = mv; li[c * UT_K + lane] = mi; }
+        __syncwarp();  // every lane has read its entry before any slot is rewritten
+        if (lane < UT_K && rank_m < UT_K) { lv[c * UT_K + rank_m] = mv; li[c * UT_K + rank_m] = mi; }
+        if (lane < m && rank_x < UT_K) { lv[c * UT_K + rank_x] = x; li[c * UT_K + rank_x] = xi; }
+        __syncwarp();
+        if (lane == 0) cnt[c] = 0;
     }
 
     __device__ __forceinline__ void tile(const float (&acc)[2][NT][4], long long r0, long long row_end) {
-        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         int ids[2][2];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) ids[mt][h] = rw.id(ph_row(r0, mt, h), row_end);
-        float v[NT][2];
-        int id[NT][2];
-        ph_warp_best<NT>(acc, ids, v, id);
-        if ((lane >> 2) == 0) {
+        // Bit (nt, e, mt, h) = 8 * nt + 4 * e + 2 * mt + h: appended already (or not a candidate).
+        unsigned done[(NT + 3) / 4];
+#pragma unroll
+        for (int w = 0; w < (NT + 3) / 4; ++w) done[w] = 0u;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        if (ids[mt][h] == PH_NO_ID) done[nt >> 2] |= 1u << ((nt & 3) * 8 + 4 * e + 2 * mt + h);
+        for (;;) {
+            int over = 0;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int c = nt * 8 + 2 * (lane & 3) + e;
-                    wv[warp * NC + c] = v[nt][e];
-                    wi[warp * NC + c] = id[nt][e];
-                }
-        }
-        tids[tid] = rw.id(r0 + tid, row_end);  // PH_THREADS == PH_TV
-        __syncthreads();
-        int any = 0;
-        for (int c = tid; c < NC; c += PH_THREADS) {
-            float b = PH_NEG_INF;
-            int bid = PH_NO_ID;
+                    const float tv = lv[c * UT_K + UT_K - 1];
+                    const int ti = li[c * UT_K + UT_K - 1];
 #pragma unroll
-            for (int w = 0; w < PH_WARPS; ++w)
-                if (ph_beats(wv[w * NC + c], wi[w * NC + c], b, bid)) { b = wv[w * NC + c]; bid = wi[w * NC + c]; }
-            const int h = ph_beats(b, bid, lv[c * UT_K + UT_K - 1], li[c * UT_K + UT_K - 1]) ? 1 : 0;
-            hot[c] = h;
-            any |= h;
-        }
-        if (!__syncthreads_or(any)) return;
-        for (int s0 = 0; s0 < NC; s0 += SLAB) {
-            // Stage columns [s0, s0 + SLAB) of the tile: slab[c - s0][local row].
+                    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                if (nt * 8 < s0 || nt * 8 >= s0 + SLAB) continue;
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int c = nt * 8 + 2 * (lane & 3) + e;
-                            const int rr = warp * 32 + mt * 16 + (lane >> 2) + 8 * h;
-                            slab[(c - s0) * PH_TV + rr] = acc[mt][nt][2 * h + e];
+                        for (int h = 0; h < 2; ++h) {
+                            const unsigned bit = 1u << ((nt & 3) * 8 + 4 * e + 2 * mt + h);
+                            if (done[nt >> 2] & bit) continue;
+                            float x = acc[mt][nt][2 * h + e];
+                            if (x != x) x = PH_NEG_INF;  // NaN ranks as -inf
+                            const int xi = ids[mt][h];
+                            if (!ph_beats(x, xi, tv, ti)) continue;
+                            const int slot = atomicAdd(&cnt[c], 1);
+                            if (slot < UT_CAP) {
+                                cv[c * UT_CAP + slot] = x;
+                                ci[c * UT_CAP + slot] = xi;
+                                done[nt >> 2] |= bit;
+                            } else {
+                                over = 1;
+                            }
                         }
-            }
-            __syncthreads();
-            for (int cl = warp; cl < SLAB; cl += PH_WARPS)
-                if (hot[s0 + cl]) select(cl, s0 + cl);
-            __syncthreads();
+                }
+            PH_SYNC();
+            for (int c = warp; c < NC; c += PH_WARPS)
+                if (cnt[c] > 0) insert(c);
+            if (!PH_SYNC_OR(over)) break;
         }
     }
 
@@ -174,19 +150,20 @@ struct PhTopk {
 };
 
 #define PH_TOPK_ENTRY(NT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(PH_THREADS) unary_topk_gemm_nt##NT(            \
-        const __nv_bfloat16* hidden, const __nv_bfloat16* head, const int* token_ids,          \
-        float* ws, int n, int rows, int H, int public_vocab) {                                   \
+    extern "C" __global__ void __launch_bounds__(PH_BLOCK_THREADS, 1) unary_topk_gemm_nt##NT(   \
+        PH_OPERANDS, const int* token_ids, float* ws, int n, int rows, int H, int public_vocab) { \
         extern __shared__ __align__(16) unsigned char ph_smem[];                                \
         PhRows rw;                                                                               \
         rw.token_ids = token_ids;                                                                \
         rw.considered = public_vocab;                                                            \
         PhTopk<NT> epi(ph_smem + PhCfg<NT>::PIPE_BYTES, rw, ws, n);                              \
-        ph_run<NT>(hidden, head, n, rows, H, ph_smem, epi);                                      \
+        ph_run<NT>(PH_RUN_OPERANDS, n, rows, H, ph_smem, epi);                                   \
     }
+#ifndef PH_WGMMA
 PH_TOPK_ENTRY(1)
 PH_TOPK_ENTRY(2)
 PH_TOPK_ENTRY(4)
+#endif
 PH_TOPK_ENTRY(8)
 PH_TOPK_ENTRY(16)
 

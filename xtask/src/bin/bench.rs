@@ -2,9 +2,10 @@
 //! geometries (synthetic weights), replayed as CUDA graphs and timed with CUDA events, against
 //! the memory floor.
 //!
-//! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING]`: prints a table
-//! and writes `DIR/performance.json` (an array of `{"op", "draft", "B", "K", "context",
-//! "median_us", "floor_us"}`) and `DIR/performance.md`.
+//! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING] [--portable]`:
+//! prints a table and writes `DIR/performance.json` (an array of `{"op", "draft", "B", "K",
+//! "context", "median_us", "floor_us"}`) and `DIR/performance.md`. `--portable` restricts the
+//! backend to the portable kernel variants (no sm_90a wgmma heads), for comparison.
 //! `dflash-bench --profile dflash|dflash2`: one eager draft block (B=1, K=7, 2048 context)
 //! after a warm-up, for Nsight Compute (`ncu --clock-control none ...`).
 //!
@@ -669,7 +670,15 @@ fn main() -> Result<()> {
                 .ok_or_else(|| anyhow!("{flag} needs a value")),
         }
     };
-    let cuda = CudaBackend::new(0).context("opening CUDA device 0")?;
+    // `--portable`: only the portable kernel variants (no sm_90a wgmma heads).
+    let options = dflash_ops::cuda::CudaOptions {
+        kernels: if args.iter().any(|a| a == "--portable") {
+            dflash_ops::cuda::KernelVariants::Portable
+        } else {
+            dflash_ops::cuda::KernelVariants::Auto
+        },
+    };
+    let cuda = CudaBackend::with_options(0, options).context("opening CUDA device 0")?;
     if let Some(which) = value("--profile")? {
         return profile(&cuda, &which);
     }

@@ -3,7 +3,8 @@
 //! architecture the crates support, sm_80 and later.
 //!
 //! `dflash-kernels [--arch sm_80,sm_86,...]` (default: sm_80, sm_86, sm_89, sm_90, sm_100,
-//! sm_120). Prints one line per (module, arch) and exits 1 when any compile fails, 3 when
+//! sm_120), plus every architecture-specific module for its own architecture (the wgmma heads
+//! for sm_90a). Prints one line per (module, arch) and exits 1 when any compile fails, 3 when
 //! NVRTC or the headers cannot be found.
 
 use std::process::ExitCode;
@@ -34,19 +35,26 @@ fn main() -> ExitCode {
             return ExitCode::from(3);
         }
     };
-    let mut failed = 0;
+    let mut jobs: Vec<(&'static str, String, String)> = Vec::new();
     for (module, source) in dflash_ops::cuda::kernel_modules() {
         for arch in &archs {
-            let t = std::time::Instant::now();
-            match dflash_ops::cuda::compile_module(module, &source, arch, &include) {
-                Ok(_) => println!(
-                    "ok   {module:<26} {arch:<7} {:>6.0} ms",
-                    t.elapsed().as_secs_f64() * 1e3
-                ),
-                Err(e) => {
-                    failed += 1;
-                    println!("FAIL {module:<26} {arch:<7} {e}");
-                }
+            jobs.push((module, source.clone(), arch.clone()));
+        }
+    }
+    for (module, source, arch) in dflash_ops::cuda::arch_specific_modules() {
+        jobs.push((module, source, arch.to_string()));
+    }
+    let mut failed = 0;
+    for (module, source, arch) in jobs {
+        let t = std::time::Instant::now();
+        match dflash_ops::cuda::compile_module(module, &source, &arch, &include) {
+            Ok(_) => println!(
+                "ok   {module:<26} {arch:<7} {:>6.0} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            ),
+            Err(e) => {
+                failed += 1;
+                println!("FAIL {module:<26} {arch:<7} {e}");
             }
         }
     }

@@ -6,6 +6,13 @@
 //! device's compute capability on first use and cached per backend. NVRTC needs the CUDA
 //! headers (`cuda_bf16.h`): their folder is `$CUDA_HOME/include`, else `$CUDA_PATH/include`,
 //! else `/usr/local/cuda/include`.
+//!
+//! Kernel variants. Every kernel has a portable variant that NVRTC compiles for the device's
+//! own architecture (sm_80 and later). A few ops also have an architecture-specific variant
+//! ([`ARCH_SPECIFIC_OPS`]: the proposal heads' wgmma GEMM, compiled for `sm_90a`), used on a
+//! device of compute capability 9.0 unless [`CudaOptions::kernels`] asks for
+//! [`KernelVariants::Portable`]; both variants keep the same contract and pass the same
+//! conformance cases.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -31,10 +38,37 @@ pub(crate) fn cuda_err(
     }
 }
 
+/// Which kernel variants a [`CudaBackend`] may use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KernelVariants {
+    /// The fastest variant the device supports: the `sm_90a` variants of
+    /// [`ARCH_SPECIFIC_OPS`] on compute capability 9.0 (H100, H200), the portable ones
+    /// elsewhere.
+    #[default]
+    Auto,
+    /// Only the portable variants (what every sm_80+ device runs), e.g. to compare the two
+    /// on a Hopper GPU.
+    Portable,
+}
+
+/// Options of [`CudaBackend::with_options`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Which kernel variants to use.
+    pub kernels: KernelVariants,
+}
+
+/// Ops with an architecture-specific (`sm_90a`) kernel variant besides the portable one.
+pub const ARCH_SPECIFIC_OPS: [&str; 2] = [crate::proposal_argmax::OP, crate::unary_topk::OP];
+
+/// The architecture the `sm_90a` variants are compiled for.
+pub(crate) const SM90A: &str = "sm_90a";
+
 struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: String,
+    sm90a: bool,
     include_dir: String,
     limits: DeviceLimits,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
@@ -203,12 +237,35 @@ pub fn kernel_modules() -> Vec<(&'static str, String)> {
     ]
 }
 
+/// Every architecture-specific kernel module: (module name, source without `COMMON_CUH`,
+/// the architecture it is compiled for).
+pub fn arch_specific_modules() -> Vec<(&'static str, String, &'static str)> {
+    vec![
+        (
+            crate::proposal_argmax::cuda::SM90A_MODULE,
+            crate::proposal_argmax::cuda::sm90a_source().into(),
+            SM90A,
+        ),
+        (
+            crate::unary_topk::cuda::SM90A_MODULE,
+            crate::unary_topk::cuda::sm90a_source().into(),
+            SM90A,
+        ),
+    ]
+}
+
 impl CudaBackend {
-    /// Open device `ordinal`: a context, a non-default stream, and the NVRTC include path.
+    /// Open device `ordinal` with the default [`CudaOptions`] (see [`Self::with_options`]).
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_options(ordinal, CudaOptions::default())
+    }
+
+    /// Open device `ordinal`: a context, a non-default stream, and the NVRTC include path;
+    /// `options` selects the kernel variants.
     ///
     /// Event tracking is disabled (all work is ordered on the one stream), which keeps every
     /// op capturable into a CUDA graph.
-    pub fn new(ordinal: usize) -> Result<Self> {
+    pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<Self> {
         // SAFETY: only probes whether the driver library can be loaded (no driver call).
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(OpsError::Cuda {
@@ -250,6 +307,7 @@ impl CudaBackend {
                 ctx,
                 stream,
                 arch: format!("sm_{major}{minor}"),
+                sm90a: options.kernels == KernelVariants::Auto && (major, minor) == (9, 0),
                 include_dir,
                 limits,
                 modules: Mutex::new(HashMap::new()),
@@ -276,6 +334,20 @@ impl CudaBackend {
         threads: u32,
         dyn_smem: usize,
     ) -> Result<Kernel> {
+        self.kernel_for(module, None, source, name, threads, dyn_smem)
+    }
+
+    /// [`Self::kernel`] of a module compiled for `arch` (`None`: the device's own); a module
+    /// name must always be compiled for the same architecture.
+    pub(crate) fn kernel_for(
+        &self,
+        module: &'static str,
+        arch: Option<&str>,
+        source: &str,
+        name: &'static str,
+        threads: u32,
+        dyn_smem: usize,
+    ) -> Result<Kernel> {
         let key = (module, name, dyn_smem);
         if let Some(k) = self.lock_kernels(module)?.get(&key) {
             return Ok(k.clone());
@@ -289,7 +361,7 @@ impl CudaBackend {
                 ),
             });
         }
-        let func = self.function(module, source, name)?;
+        let func = self.function_for(module, arch, source, name)?;
         use cudarc::driver::sys::CUfunction_attribute_enum as F;
         func.set_attribute(
             F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -339,6 +411,12 @@ impl CudaBackend {
         &self.inner.arch
     }
 
+    /// Whether the `sm_90a` variants of [`ARCH_SPECIFIC_OPS`] are used (compute capability
+    /// 9.0 and [`KernelVariants::Auto`]).
+    pub fn uses_sm90a(&self) -> bool {
+        self.inner.sm90a
+    }
+
     /// The shared cuBLAS handle bound to [`Self::stream`].
     pub fn blas(&self) -> Result<Arc<cudarc::cublas::CudaBlas>> {
         let mut guard = self.inner.blas.lock().map_err(|_| OpsError::Cuda {
@@ -362,6 +440,17 @@ impl CudaBackend {
 
     /// Function `name` of module `module` (compiled from `COMMON_CUH` + `source` on first use).
     pub fn function(&self, module: &'static str, source: &str, name: &str) -> Result<CudaFunction> {
+        self.function_for(module, None, source, name)
+    }
+
+    /// [`Self::function`] of a module compiled for `arch` (`None`: the device's own).
+    pub(crate) fn function_for(
+        &self,
+        module: &'static str,
+        arch: Option<&str>,
+        source: &str,
+        name: &str,
+    ) -> Result<CudaFunction> {
         let m = {
             let mut cache = self.inner.modules.lock().map_err(|_| OpsError::Cuda {
                 context: format!("module cache ({module})"),
@@ -370,8 +459,8 @@ impl CudaBackend {
             if let Some(m) = cache.get(module) {
                 m.clone()
             } else {
-                let ptx =
-                    compile_module(module, source, &self.inner.arch, &self.inner.include_dir)?;
+                let arch = arch.unwrap_or(&self.inner.arch);
+                let ptx = compile_module(module, source, arch, &self.inner.include_dir)?;
                 let m = self
                     .inner
                     .ctx

@@ -2,10 +2,12 @@
 //! (kernels/proposal_argmax.cu, launched through [`super::head::cuda::launch_gemm`]), then
 //! the merge of the per-block partials.
 
+use std::sync::OnceLock;
+
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::head::{self, cuda::launch_gemm};
+use super::head::{HeadKernels, cuda::launch_gemm};
 use super::{OP, Params};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::{Buffer, Result};
@@ -16,10 +18,36 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
     "/../../kernels/proposal_argmax.cu"
 ));
 
-/// Dynamic shared memory of `proposal_argmax_gemm_nt{nt}`: the pipeline plus the epilogue's
-/// warp bests and running bests (`PhArgmax<NT>::SMEM_BYTES`).
-pub(crate) fn smem_bytes(nt: usize) -> usize {
-    head::pipe_bytes(nt) + 5 * 8 * nt * 8
+/// Module name of the sm_90a (wgmma) variant.
+pub(crate) const SM90A_MODULE: &str = "proposal_argmax.sm_90a";
+
+/// Source of the sm_90a variant: [`SOURCE`] compiled with `PH_WGMMA`.
+pub(crate) fn sm90a_source() -> &'static str {
+    static SRC: OnceLock<String> = OnceLock::new();
+    SRC.get_or_init(|| format!("#define PH_WGMMA 1\n{SOURCE}"))
+}
+
+/// Shared memory of the argmax epilogue for `nt` column tiles: warp bests and running bests
+/// (`PhArgmax<NT>::SMEM_BYTES`).
+fn epilogue_bytes(nt: usize) -> usize {
+    5 * 8 * nt * 8
+}
+
+fn kernels() -> HeadKernels {
+    HeadKernels {
+        op: OP,
+        source: SOURCE,
+        sm90a_module: SM90A_MODULE,
+        sm90a_source: sm90a_source(),
+        names: [
+            "proposal_argmax_gemm_nt1",
+            "proposal_argmax_gemm_nt2",
+            "proposal_argmax_gemm_nt4",
+            "proposal_argmax_gemm_nt8",
+            "proposal_argmax_gemm_nt16",
+        ],
+        epilogue_bytes,
+    }
 }
 
 /// Shapes were validated by `super::run` (n >= 1).
@@ -32,24 +60,7 @@ pub(super) fn run(
     workspace: &mut Buffer<f32>,
     p: &Params,
 ) -> Result<()> {
-    let blocks = launch_gemm(
-        c,
-        OP,
-        SOURCE,
-        [
-            "proposal_argmax_gemm_nt1",
-            "proposal_argmax_gemm_nt2",
-            "proposal_argmax_gemm_nt4",
-            "proposal_argmax_gemm_nt8",
-            "proposal_argmax_gemm_nt16",
-        ],
-        smem_bytes,
-        hidden,
-        head_w,
-        token_ids,
-        workspace,
-        p,
-    )?;
+    let blocks = launch_gemm(c, &kernels(), hidden, head_w, token_ids, workspace, p)?;
     let f = c.function(OP, SOURCE, "proposal_argmax_merge")?;
     let cfg = LaunchConfig {
         grid_dim: (p.n as u32, 1, 1),

@@ -144,24 +144,64 @@ pub(crate) fn host_logits<'a>(
     })
 }
 
-/// Bytes of the fused GEMM's shared memory pipeline for `nt` column tiles
-/// (`PhCfg<NT>::PIPE_BYTES`: 3 stages of a 128 x 64 head tile and an 8*nt x 64 hidden tile,
-/// rows padded to 72 elements).
+/// The GEMM driver of a launch (kernels/proposal_argmax.cu).
 #[cfg(any(feature = "cuda", test))]
-pub(crate) fn pipe_bytes(nt: usize) -> usize {
-    3 * (128 * 72 + 8 * nt * 72) * 2
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Driver {
+    /// mma.sync m16n8k16 over a 3-stage cp.async pipeline (sm_80 and later).
+    Portable,
+    /// wgmma m64nNk16 over 5 TMA stages in the 128-byte swizzled layout, fed by a producer
+    /// warp through mbarriers (sm_90a; the module is compiled with `PH_WGMMA`).
+    Wgmma,
 }
 
-/// Column tiles the kernels are instantiated for (8 columns each).
+/// Bytes of the fused GEMM's shared memory pipeline for `nt` column tiles
+/// (`PhCfg<NT>::PIPE_BYTES`): portable, 3 stages of a 128 x 64 head tile and an 8*nt x 64
+/// hidden tile with rows padded to 72 elements; wgmma, 5 unpadded stages plus 1024 bytes of
+/// alignment slack and the stages' two mbarriers each.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn pipe_bytes(nt: usize, driver: Driver) -> usize {
+    match driver {
+        Driver::Portable => 3 * (128 * 72 + 8 * nt * 72) * 2,
+        Driver::Wgmma => 5 * (128 * 64 + 8 * nt * 64) * 2 + 1024 + 2 * 5 * 8,
+    }
+}
+
+/// Column tiles the portable kernels are instantiated for (8 columns each).
 #[cfg(any(feature = "cuda", test))]
 pub(crate) const NT_CHOICES: [usize; 5] = [1, 2, 4, 8, 16];
 
-/// The column tiling for `n` columns: the smallest instantiated `nt` with `8 * nt >= n`,
-/// capped at the largest whose shared memory (`smem(nt)`) fits `limit` bytes. `None` when
-/// not even `nt = 1` fits.
+/// Column tiles the wgmma kernels are instantiated for (a suffix of [`NT_CHOICES`]: the
+/// entry points keep the portable names).
 #[cfg(any(feature = "cuda", test))]
-pub(crate) fn choose_nt(n: usize, limit: usize, smem: impl Fn(usize) -> usize) -> Option<usize> {
-    let mut fits = NT_CHOICES.iter().copied().filter(|&nt| smem(nt) <= limit);
+pub(crate) const WGMMA_NT_CHOICES: [usize; 2] = [8, 16];
+
+/// Fewest columns the wgmma driver is used for. Below, the GEMM is bound by the head read,
+/// which the portable driver already reaches; above, it is bound by the MMA rate.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) const WGMMA_MIN_COLUMNS: usize = 33;
+
+/// The driver for `n` columns on a backend that may (`sm90a`) use the wgmma one.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn choose_driver(n: usize, sm90a: bool) -> Driver {
+    if sm90a && n >= WGMMA_MIN_COLUMNS {
+        Driver::Wgmma
+    } else {
+        Driver::Portable
+    }
+}
+
+/// The column tiling for `n` columns: the smallest `nt` of `choices` with `8 * nt >= n`,
+/// capped at the largest whose shared memory (`smem(nt)`) fits `limit` bytes. `None` when
+/// not even the smallest fits.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn choose_nt(
+    n: usize,
+    choices: &[usize],
+    limit: usize,
+    smem: impl Fn(usize) -> usize,
+) -> Option<usize> {
+    let mut fits = choices.iter().copied().filter(|&nt| smem(nt) <= limit);
     let mut largest = fits.next()?;
     if 8 * largest >= n {
         return Some(largest);
@@ -175,50 +215,147 @@ pub(crate) fn choose_nt(n: usize, limit: usize, smem: impl Fn(usize) -> usize) -
     Some(largest)
 }
 
+/// What distinguishes the two head ops' fused GEMM kernels.
+#[cfg(feature = "cuda")]
+pub(crate) struct HeadKernels {
+    /// The op (and the portable module's name).
+    pub(crate) op: &'static str,
+    /// The portable module's source.
+    pub(crate) source: &'static str,
+    /// The wgmma module's name and source (the portable source compiled with `PH_WGMMA`).
+    pub(crate) sm90a_module: &'static str,
+    /// See [`Self::sm90a_module`].
+    pub(crate) sm90a_source: &'static str,
+    /// Entry points `{op}_gemm_nt{NT}`, one per [`NT_CHOICES`] entry (the wgmma module
+    /// defines those of [`WGMMA_NT_CHOICES`] under the same names).
+    pub(crate) names: [&'static str; 5],
+    /// The epilogue's shared memory for `nt` column tiles (after the pipeline).
+    pub(crate) epilogue_bytes: fn(usize) -> usize,
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
-    //! Launch of the fused head GEMM (`{prefix}_nt{NT}`), shared by both head ops.
+    //! Launch of the fused head GEMM (`{op}_gemm_nt{NT}`), shared by both head ops.
 
-    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, sys};
     use half::bf16;
 
-    use super::{MAX_PARTIAL_BLOCKS, Params, choose_nt};
-    use crate::cuda::{CudaBackend, cuda_err};
+    use super::{
+        Driver, HeadKernels, MAX_PARTIAL_BLOCKS, NT_CHOICES, Params, WGMMA_NT_CHOICES,
+        choose_driver, choose_nt, pipe_bytes,
+    };
+    use crate::cuda::{CudaBackend, SM90A, cuda_err};
     use crate::{Buffer, OpsError, Result};
 
-    /// Threads of a GEMM block (`PH_THREADS`).
-    const THREADS: u32 = 128;
+    /// Threads of a GEMM block (`PH_BLOCK_THREADS`): one warpgroup, plus the TMA producer
+    /// warp for the wgmma driver.
+    fn threads(driver: Driver) -> u32 {
+        match driver {
+            Driver::Portable => 128,
+            Driver::Wgmma => 160,
+        }
+    }
 
-    /// Launch the fused GEMM of module `op` (source `source`) whose entry points are
-    /// `names[i]` for `nt = NT_CHOICES[i]`, with `smem(nt)` bytes of dynamic shared memory;
-    /// returns the number of partial blocks written per column (the merge's `P`).
+    /// A TMA descriptor passed by value to the wgmma kernels (`PhTmap`).
+    #[repr(transparent)]
+    #[derive(Clone, Copy)]
+    struct TensorMap(sys::CUtensorMap);
+
+    // SAFETY: plain old data (the driver's opaque 128-byte descriptor), passed by value as the
+    // kernels' `const __grid_constant__ PhTmap` parameters.
+    unsafe impl DeviceRepr for TensorMap {}
+
+    /// The TMA map of a row-major BF16 matrix `[outer, inner]` at device address `ptr`, read
+    /// in boxes of `box_outer` rows x 64 elements with the 128-byte swizzle; reads past the
+    /// matrix are zero-filled.
+    fn tensor_map(
+        op: &'static str,
+        tensor: &'static str,
+        ptr: sys::CUdeviceptr,
+        inner: usize,
+        outer: usize,
+        box_outer: u32,
+    ) -> Result<TensorMap> {
+        let dims = [inner as u64, outer as u64];
+        let strides = [inner as u64 * 2];
+        let boxes = [64u32, box_outer];
+        let steps = [1u32, 1];
+        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+        // SAFETY: every pointer is valid for the rank (2) the call reads; `ptr` is the
+        // 256-byte aligned start of a device allocation of outer * inner BF16 elements
+        // (checked by the op's `run`); the strides are multiples of 16 bytes (inner is a
+        // multiple of 8).
+        let status = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            return Err(OpsError::Cuda {
+                context: format!("encoding the TMA map of {op}'s {tensor} [{outer}, {inner}]"),
+                message: format!("{status:?}"),
+            });
+        }
+        // SAFETY: cuTensorMapEncodeTiled succeeded, so it wrote the whole descriptor.
+        Ok(TensorMap(unsafe { map.assume_init() }))
+    }
+
+    /// Launch the fused GEMM of `k` (the wgmma driver on an sm_90a backend for at least
+    /// [`super::WGMMA_MIN_COLUMNS`] columns, the portable one otherwise); returns the number
+    /// of partial blocks written per column (the merge's `P`).
     ///
     /// Grid: x = P = min(ceil(rows / 16), resident blocks, 1024) row ranges of equal length
     /// (a multiple of 16 rows), y = ceil(n / (8 * nt)) column chunks.
     pub(crate) fn launch_gemm(
         c: &CudaBackend,
-        op: &'static str,
-        source: &str,
-        names: [&'static str; 5],
-        smem: impl Fn(usize) -> usize,
+        k: &HeadKernels,
         hidden: &Buffer<bf16>,
         head: &Buffer<bf16>,
         token_ids: Option<&Buffer<i32>>,
         workspace: &mut Buffer<f32>,
         p: &Params,
     ) -> Result<usize> {
+        let op = k.op;
+        let driver = choose_driver(p.n, c.uses_sm90a());
+        let choices: &[usize] = match driver {
+            Driver::Portable => &NT_CHOICES,
+            Driver::Wgmma => &WGMMA_NT_CHOICES,
+        };
+        let smem = |nt: usize| pipe_bytes(nt, driver) + (k.epilogue_bytes)(nt);
         let limit = c.limits().smem_per_block_optin;
-        let nt = choose_nt(p.n, limit, &smem).ok_or_else(|| OpsError::Cuda {
+        let nt = choose_nt(p.n, choices, limit, smem).ok_or_else(|| OpsError::Cuda {
             context: format!("preparing {op}"),
             message: format!(
                 "the smallest head tile needs {} bytes of shared memory; this device allows {limit}",
-                smem(1)
+                smem(choices[0])
             ),
         })?;
-        let idx = super::NT_CHOICES.iter().position(|&x| x == nt).unwrap_or(0);
-        let name = names[idx];
+        let idx = NT_CHOICES.iter().position(|&x| x == nt).unwrap_or(0);
+        let name = k.names[idx];
         let bytes = smem(nt);
-        let kernel = c.kernel(op, source, name, THREADS, bytes)?;
+        let threads = threads(driver);
+        let kernel = match driver {
+            Driver::Portable => c.kernel(op, k.source, name, threads, bytes)?,
+            Driver::Wgmma => c.kernel_for(
+                k.sm90a_module,
+                Some(SM90A),
+                k.sm90a_source,
+                name,
+                threads,
+                bytes,
+            )?,
+        };
         let resident = kernel.blocks_per_sm * c.limits().sm_count;
         let blocks = p
             .rows
@@ -236,7 +373,7 @@ pub(crate) mod cuda {
         }
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, chunks as u32, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: bytes as u32,
         };
         let (n, rows, h, public) = (
@@ -245,9 +382,30 @@ pub(crate) mod cuda {
             p.hidden as i32,
             p.public_vocab as i32,
         );
+        let hidden_d = hidden.device(op, "hidden")?;
+        let head_d = head.device(op, "head")?;
+        let maps = match driver {
+            Driver::Portable => None,
+            Driver::Wgmma => {
+                let (hp, _hg) = hidden_d.device_ptr(c.stream());
+                let (wp, _wg) = head_d.device_ptr(c.stream());
+                Some((
+                    tensor_map(op, "hidden", hp, p.hidden, p.n, 8 * nt as u32)?,
+                    tensor_map(op, "head", wp, p.hidden, p.rows, 128)?,
+                ))
+            }
+        };
         let mut b = c.stream().launch_builder(&kernel.func);
-        b.arg(hidden.device(op, "hidden")?);
-        b.arg(head.device(op, "head")?);
+        match &maps {
+            None => {
+                b.arg(hidden_d);
+                b.arg(head_d);
+            }
+            Some((mx, mw)) => {
+                b.arg(mx);
+                b.arg(mw);
+            }
+        }
         // The full head passes a null map (the kernel then uses the row index as the id).
         let null: u64 = 0;
         match token_ids {
@@ -259,8 +417,10 @@ pub(crate) mod cuda {
         b.arg(&rows);
         b.arg(&h);
         b.arg(&public);
-        // SAFETY: argument types and order match the `{op}_gemm_nt{NT}` entry points (a null
-        // pointer is a valid `const int*` for the full head, never dereferenced there);
+        // SAFETY: argument types and order match the `{op}_gemm_nt{NT}` entry points of the
+        // module launched (portable: the hidden and head pointers; sm_90a: their TMA maps,
+        // encoded above over the same allocations, which outlive the launch's stream order);
+        // a null pointer is a valid `const int*` for the full head, never dereferenced there;
         // hidden has n*H, head rows*H elements, token_ids rows (checked by the op's `run`);
         // the workspace holds n * MAX_PARTIAL_BLOCKS * keep pairs and blocks <= 1024.
         unsafe { b.launch(cfg) }.map_err(cuda_err(format!("launching {name}")))?;
@@ -275,16 +435,39 @@ mod tests {
     #[test]
     fn column_tiling_is_the_smallest_that_holds_n_within_the_device_limit() {
         let big = usize::MAX;
-        assert_eq!(choose_nt(1, big, pipe_bytes), Some(1));
-        assert_eq!(choose_nt(7, big, pipe_bytes), Some(1));
-        assert_eq!(choose_nt(9, big, pipe_bytes), Some(2));
-        assert_eq!(choose_nt(15, big, pipe_bytes), Some(2));
-        assert_eq!(choose_nt(120, big, pipe_bytes), Some(16));
-        assert_eq!(choose_nt(1000, big, pipe_bytes), Some(16));
+        let pb = |nt| pipe_bytes(nt, Driver::Portable);
+        let c = &NT_CHOICES;
+        assert_eq!(choose_nt(1, c, big, pb), Some(1));
+        assert_eq!(choose_nt(7, c, big, pb), Some(1));
+        assert_eq!(choose_nt(9, c, big, pb), Some(2));
+        assert_eq!(choose_nt(15, c, big, pb), Some(2));
+        assert_eq!(choose_nt(120, c, big, pb), Some(16));
+        assert_eq!(choose_nt(1000, c, big, pb), Some(16));
         // A 99 KiB device caps the tile (more column chunks instead).
-        let nt = choose_nt(120, 99 * 1024, pipe_bytes).expect("fits");
-        assert!(pipe_bytes(nt) <= 99 * 1024 && nt < 16, "{nt}");
-        assert_eq!(choose_nt(1, 1000, pipe_bytes), None);
+        let nt = choose_nt(120, c, 99 * 1024, pb).expect("fits");
+        assert!(pb(nt) <= 99 * 1024 && nt < 16, "{nt}");
+        assert_eq!(choose_nt(1, c, 1000, pb), None);
+        // The wgmma tiles: 64 or 128 columns.
+        let wb = |nt| pipe_bytes(nt, Driver::Wgmma);
+        let w = &WGMMA_NT_CHOICES;
+        assert_eq!(choose_nt(33, w, big, wb), Some(8));
+        assert_eq!(choose_nt(64, w, big, wb), Some(8));
+        assert_eq!(choose_nt(65, w, big, wb), Some(16));
+        assert_eq!(choose_nt(120, w, big, wb), Some(16));
+    }
+
+    #[test]
+    fn wgmma_driver_only_on_sm90a_for_wide_calls() {
+        assert_eq!(choose_driver(120, true), Driver::Wgmma);
+        assert_eq!(choose_driver(WGMMA_MIN_COLUMNS, true), Driver::Wgmma);
+        assert_eq!(choose_driver(WGMMA_MIN_COLUMNS - 1, true), Driver::Portable);
+        assert_eq!(choose_driver(120, false), Driver::Portable);
+        // The wgmma tiles are a suffix of the portable ones (same entry-point names), and
+        // their stages stay 1024-byte aligned (the swizzled descriptors need it).
+        assert!(NT_CHOICES.ends_with(&WGMMA_NT_CHOICES));
+        for nt in WGMMA_NT_CHOICES {
+            assert_eq!((128 * 64 + 8 * nt * 64) * 2 % 1024, 0);
+        }
     }
 
     #[test]

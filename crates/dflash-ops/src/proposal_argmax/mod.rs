@@ -404,7 +404,8 @@ pub(crate) const OFFICIAL_HIDDEN_27B: usize = 5120;
 /// Conformance cases: the official Text head (248320 rows, 248077 public) at 1, 7, 15 and
 /// 120 columns (every column tiling of the CUDA kernel), the official 131072-row shortlist
 /// with a shuffled map, coarse fills with many ties, and small odd shapes (fewer rows than one
-/// tile, a hidden width that is not a multiple of the K chunk).
+/// tile, a hidden width that is not a multiple of the K chunk, 72 columns for the wgmma
+/// driver).
 pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
     let (v, pv, sl) = (OFFICIAL_ROWS, OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);
@@ -419,6 +420,13 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "indexed_small_rows_300_public_997_h72_n3_coarse",
             case(3, 300, 72, 997, Indexed, true, 2),
+        ),
+        // 72 columns: the wgmma driver's 64-column tile twice on sm_90a (three 128-row tiles
+        // per block; the hidden width is not a multiple of the 64-element K chunk).
+        Case::new(
+            OP,
+            "full_rows_20000_public_19000_h136_n72",
+            case(72, 20_000, 136, 19_000, Full, false, 10),
         ),
         Case::new(
             OP,

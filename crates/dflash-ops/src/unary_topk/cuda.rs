@@ -10,7 +10,7 @@ use half::bf16;
 use super::{OP, Params, TOP_K};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::proposal_argmax::cuda::SOURCE as SHARED;
-use crate::proposal_argmax::head::{self, cuda::launch_gemm};
+use crate::proposal_argmax::head::{HeadKernels, cuda::launch_gemm};
 use crate::{Buffer, Result};
 
 const OWN: &str = include_str!(concat!(
@@ -24,12 +24,40 @@ pub(crate) fn source() -> &'static str {
     SRC.get_or_init(|| format!("{SHARED}\n{OWN}"))
 }
 
-/// Dynamic shared memory of `unary_topk_gemm_nt{nt}`: the pipeline plus the epilogue's warp
-/// bests, lists, hot flags, tile row ids and one slab of 16 logit columns
-/// (`PhTopk<NT>::SMEM_BYTES`).
-pub(crate) fn smem_bytes(nt: usize) -> usize {
+/// Module name of the sm_90a (wgmma) variant.
+pub(crate) const SM90A_MODULE: &str = "unary_topk.sm_90a";
+
+/// Source of the sm_90a variant: [`source`] compiled with `PH_WGMMA`.
+pub(crate) fn sm90a_source() -> &'static str {
+    static SRC: OnceLock<String> = OnceLock::new();
+    SRC.get_or_init(|| format!("#define PH_WGMMA 1\n{}", source()))
+}
+
+/// Candidate slots per column and pass of the epilogue (`UT_CAP`).
+const CANDIDATE_SLOTS: usize = 32;
+
+/// Shared memory of the top-16 epilogue for `nt` column tiles: the running lists, the
+/// candidate counts and the candidate buffers (`PhTopk<NT>::SMEM_BYTES`).
+fn epilogue_bytes(nt: usize) -> usize {
     let nc = 8 * nt;
-    head::pipe_bytes(nt) + 4 * nc * 8 + nc * TOP_K * 8 + nc * 4 + 128 * 4 + nc.min(16) * 128 * 4
+    nc * TOP_K * 8 + nc * 4 + nc * CANDIDATE_SLOTS * 8
+}
+
+fn kernels() -> HeadKernels {
+    HeadKernels {
+        op: OP,
+        source: source(),
+        sm90a_module: SM90A_MODULE,
+        sm90a_source: sm90a_source(),
+        names: [
+            "unary_topk_gemm_nt1",
+            "unary_topk_gemm_nt2",
+            "unary_topk_gemm_nt4",
+            "unary_topk_gemm_nt8",
+            "unary_topk_gemm_nt16",
+        ],
+        epilogue_bytes,
+    }
 }
 
 pub(super) fn run(
@@ -42,24 +70,7 @@ pub(super) fn run(
     workspace: &mut Buffer<f32>,
     p: &Params,
 ) -> Result<()> {
-    let blocks = launch_gemm(
-        c,
-        OP,
-        source(),
-        [
-            "unary_topk_gemm_nt1",
-            "unary_topk_gemm_nt2",
-            "unary_topk_gemm_nt4",
-            "unary_topk_gemm_nt8",
-            "unary_topk_gemm_nt16",
-        ],
-        smem_bytes,
-        hidden,
-        head_w,
-        token_ids,
-        workspace,
-        p,
-    )?;
+    let blocks = launch_gemm(c, &kernels(), hidden, head_w, token_ids, workspace, p)?;
     let f = c.function(OP, source(), "unary_topk_merge")?;
     let cfg = LaunchConfig {
         grid_dim: (p.n as u32, 1, 1),

@@ -183,7 +183,7 @@ fn case(
 /// Conformance cases: the official Text head (248320 rows, 248077 public) with the 27B width
 /// at 7 and 15 columns, 120 columns (the widest column tile) at the 35B width, the official
 /// 131072-row shortlist with a shuffled map, coarse fills with many ties among the 16, and
-/// small odd shapes.
+/// small odd shapes (100 columns for the wgmma driver).
 pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
     let (v, pv, sl) = (OFFICIAL_ROWS, OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);
@@ -198,6 +198,12 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "indexed_small_rows_50_public_300_h40_n9",
             case(9, 50, 40, 300, Indexed, false, 2),
+        ),
+        // 100 columns: the wgmma driver's 128-column tile on sm_90a, with many ties.
+        Case::new(
+            OP,
+            "indexed_rows_20000_public_30000_h136_n100_coarse",
+            case(100, 20_000, 136, 30_000, Indexed, true, 9),
         ),
         Case::new(
             OP,

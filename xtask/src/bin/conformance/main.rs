@@ -1,9 +1,13 @@
 //! The CUDA conformance runner: every registry case on the GPU against the CPU reference.
 //!
 //! `dflash-conformance [--out DIR] [--only SUBSTRING] [--skip-heavy] [--exclude SUBSTRING]`
-//! (`--exclude` skips the heavy cases whose `op/case` contains the substring).: prints a table, writes
+//! (`--exclude` skips the heavy cases whose `op/case` contains the substring): prints a table, writes
 //! `DIR/conformance.md` and `DIR/conformance.json`. Exit status 0 when every case passes,
 //! 1 when one fails, 3 when there is no usable CUDA device (driver missing, no GPU).
+//!
+//! On a device where ops of `ARCH_SPECIFIC_OPS` use their sm_90a variant, their cases run
+//! twice: on the default backend and on one restricted to the portable kernels (rows
+//! `case [portable]`).
 
 mod graph;
 #[path = "../../report.rs"]
@@ -16,14 +20,75 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use dflash_ops::Backend;
-use dflash_ops::cuda::CudaBackend;
-use dflash_ops::registry::{self, Comparison};
+use dflash_ops::cuda::{ARCH_SPECIFIC_OPS, CudaBackend, CudaOptions, KernelVariants};
+use dflash_ops::registry::{self, Case, CaseRun, Comparison};
 
 struct Row {
     cmp: Comparison,
     cpu_ms: f64,
     gpu_ms: f64,
     error: Option<String>,
+}
+
+/// Run `case` on `gpu`, compare with the CPU `reference` and append the rows (their case
+/// names get `suffix`).
+fn run_case(
+    case: &Case,
+    reference: &dflash_ops::Result<CaseRun>,
+    cpu_ms: f64,
+    gpu: &Backend,
+    suffix: &str,
+    rows: &mut Vec<Row>,
+) {
+    let t1 = Instant::now();
+    let device = (case.run)(gpu).and_then(|r| gpu.synchronize().map(|()| r));
+    let gpu_ms = t1.elapsed().as_secs_f64() * 1e3;
+    let name = format!("{}{suffix}", case.name);
+    match (reference, device) {
+        (Ok(r), Ok(d)) => {
+            for mut cmp in registry::compare(case, r, &d) {
+                cmp.case = name.clone();
+                rows.push(Row {
+                    cmp,
+                    cpu_ms,
+                    gpu_ms,
+                    error: None,
+                });
+            }
+        }
+        (r, d) => {
+            let error = Some(format!(
+                "cpu: {}; cuda: {}",
+                r.as_ref().err().map_or("ok".into(), |e| e.to_string()),
+                d.err().map_or("ok".into(), |e| e.to_string())
+            ));
+            rows.push(Row {
+                cmp: Comparison {
+                    op: case.op,
+                    case: name.clone(),
+                    output: "<run>".into(),
+                    criterion: registry::Criterion::Exact,
+                    max_abs: f64::NAN,
+                    max_rel: f64::NAN,
+                    mismatches: 1,
+                    elements: 0,
+                    footprint_ok: false,
+                    inputs_unchanged: false,
+                    nondegenerate: false,
+                    pass: false,
+                },
+                cpu_ms,
+                gpu_ms,
+                error,
+            });
+        }
+    }
+    let last = rows.last().map(|r| r.cmp.pass).unwrap_or(false);
+    eprintln!(
+        "{:>5} {}/{name} ({cpu_ms:.0} ms cpu, {gpu_ms:.1} ms cuda)",
+        if last { "ok" } else { "FAIL" },
+        case.op,
+    );
 }
 
 fn main() -> ExitCode {
@@ -63,6 +128,18 @@ fn run() -> Result<ExitCode> {
     };
     let info = cuda.device_info().context("reading device info")?;
     let gpu = Backend::Cuda(cuda.clone());
+    // On a device where some ops use an architecture-specific variant, their cases run a
+    // second time on a backend restricted to the portable kernels.
+    let portable = if cuda.uses_sm90a() {
+        let options = CudaOptions {
+            kernels: KernelVariants::Portable,
+        };
+        Some(Backend::Cuda(
+            CudaBackend::with_options(0, options).context("opening the portable backend")?,
+        ))
+    } else {
+        None
+    };
     let cpu = Backend::cpu();
     let mut rows: Vec<Row> = Vec::new();
     let mut cases = registry::cases();
@@ -85,54 +162,12 @@ fn run() -> Result<ExitCode> {
         let t0 = Instant::now();
         let reference = (case.run)(&cpu);
         let cpu_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let t1 = Instant::now();
-        let device = (case.run)(&gpu).and_then(|r| gpu.synchronize().map(|()| r));
-        let gpu_ms = t1.elapsed().as_secs_f64() * 1e3;
-        match (reference, device) {
-            (Ok(r), Ok(d)) => {
-                for cmp in registry::compare(&case, &r, &d) {
-                    rows.push(Row {
-                        cmp,
-                        cpu_ms,
-                        gpu_ms,
-                        error: None,
-                    });
-                }
-            }
-            (r, d) => {
-                let error = Some(format!(
-                    "cpu: {}; cuda: {}",
-                    r.err().map_or("ok".into(), |e| e.to_string()),
-                    d.err().map_or("ok".into(), |e| e.to_string())
-                ));
-                rows.push(Row {
-                    cmp: Comparison {
-                        op: case.op,
-                        case: case.name.clone(),
-                        output: "<run>".into(),
-                        criterion: registry::Criterion::Exact,
-                        max_abs: f64::NAN,
-                        max_rel: f64::NAN,
-                        mismatches: 1,
-                        elements: 0,
-                        footprint_ok: false,
-                        inputs_unchanged: false,
-                        nondegenerate: false,
-                        pass: false,
-                    },
-                    cpu_ms,
-                    gpu_ms,
-                    error,
-                });
-            }
+        run_case(&case, &reference, cpu_ms, &gpu, "", &mut rows);
+        if let Some(p) = &portable
+            && ARCH_SPECIFIC_OPS.contains(&case.op)
+        {
+            run_case(&case, &reference, cpu_ms, p, " [portable]", &mut rows);
         }
-        let last = rows.last().map(|r| r.cmp.pass).unwrap_or(false);
-        eprintln!(
-            "{:>5} {}/{} ({cpu_ms:.0} ms cpu, {gpu_ms:.1} ms cuda)",
-            if last { "ok" } else { "FAIL" },
-            case.op,
-            case.name
-        );
     }
     let mut failed = rows.iter().filter(|r| !r.cmp.pass).count();
     let graph_md = match graph::check(&cuda) {
