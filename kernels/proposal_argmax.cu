@@ -1,22 +1,27 @@
 // proposal_argmax: the proposal head GEMM fused with its per-column argmax; no [n, rows]
 // logits in memory (contract: crates/dflash-ops/src/proposal_argmax/mod.rs).
 //
-// This file also holds the head GEMM driver shared with unary_topk: its launcher compiles
+// This file also holds the head GEMM drivers shared with unary_topk: its launcher compiles
 // this file followed by kernels/unary_topk.cu as one module; the two ops differ only in the
-// epilogue (a running argmax or a running top-16 per column).
+// epilogue (a running argmax or a running top-16 per column). Compiled as is, the module is
+// the portable variant (sm_80 and later); compiled with PH_WGMMA defined (for sm_90a) it is
+// the wgmma + TMA variant, with the same entry-point names for NT = 8 and 16.
 //
 // Work split. The head's rows (the vocabulary, or a shortlist) are streamed once: block b of
 // the grid owns the contiguous row range [b * chunk, (b + 1) * chunk) (chunk = ceil(rows /
-// blocks) rounded up to 16) and walks it in tiles of PH_TV = 128 rows (32 per warp, two m16
-// MMA tiles); grid.y splits the columns in chunks of NC = 8 * NT (NC <= 128). The K axis
-// (hidden) is staged in chunks of KC = 64 through a PH_STAGES-deep cp.async pipeline that
-// runs across tile boundaries: the head tile (128 x 64) and the hidden tile (NC x 64) of a
-// stage (128 x KC and NC x KC) feed mma.m16n8k16 (BF16 in, FP32 accumulate; the head rows are the M side, the
-// columns the N side). After a tile's last chunk the epilogue folds its 128 x NC logits
-// into the block's running per-column result in shared memory (they never leave the chip);
-// at the end each block writes its partial per column, and a merge kernel reduces the
-// blocks' partials. Order everywhere: larger logit, then lower global id (a total order, so
-// the result does not depend on the reduction order). NaN logits rank as -inf.
+// blocks) rounded up to 16) and walks it in tiles of PH_TV = 128 rows; grid.y splits the
+// columns in chunks of NC = 8 * NT (NC <= 128). The K axis (hidden) is staged in chunks of
+// KC = 64: the head tile (128 x 64) and the hidden tile (NC x 64) of a stage feed the tensor
+// cores (BF16 in, FP32 accumulate; the head rows are the M side, the columns the N side).
+// - Portable driver: a PH_STAGES-deep cp.async pipeline that runs across tile boundaries,
+//   mma.m16n8k16 with each warp owning 32 rows of the tile (two m16 tiles).
+// - sm_90a driver: a TMA producer warp and mbarriers (see its comment), two m64nNCk16 wgmma
+//   chains per tile with warp w of the warpgroup owning rows 16w.. of each 64-row half.
+// After a tile's last chunk the epilogue folds its 128 x NC logits into the block's running
+// per-column result in shared memory (they never leave the chip); at the end each block
+// writes its partial per column, and a merge kernel reduces the blocks' partials. Order
+// everywhere: larger logit, then lower global id (a total order, so the result does not
+// depend on the reduction order). NaN logits rank as -inf.
 //
 // Partials (f32 words; P = gridDim.x): ws[((col * P + b) * K + j) * 2] = value,
 // ws[... + 1] = the global id's bits; K = 1 (argmax) or 16 (top-16, best first).

@@ -36,11 +36,19 @@
 //!   included, is compared exactly; real-valued inputs are covered by the whole-draft-block
 //!   cases.
 //!
-//! CUDA (kernels/proposal_argmax.cu, whose GEMM driver `unary_topk` shares; see
+//! CUDA (kernels/proposal_argmax.cu, whose GEMM drivers `unary_topk` shares; see
 //! [`head`]). Fused head GEMM: the head's rows are streamed once; each of P <= 1024 blocks
 //! (as many as are resident on the device) owns an equal contiguous range of rows (a multiple
-//! of 16) and walks it in tiles of 128 rows x up to 128 columns (mma.m16n8k16, BF16 in, FP32
-//! accumulate, a 3-stage cp.async pipeline over 64-wide K chunks that runs across tiles).
+//! of 16) and walks it in tiles of 128 rows x up to 128 columns, BF16 in, FP32 accumulate,
+//! over 64-wide K chunks. Two drivers compute a tile (same work split, same epilogue):
+//! - portable (sm_80 and later): one warpgroup, mma.m16n8k16 over a 3-stage cp.async pipeline
+//!   that runs across tiles;
+//! - sm_90a (compute capability 9.0 and `CudaOptions::kernels` = `Auto`, for 33 columns and
+//!   more, where the portable driver is bound by the MMA rate): one consumer warpgroup runs
+//!   two m64nNk16 wgmma chains per tile (N = 64 or 128 columns) from 128-byte swizzled
+//!   shared memory; a producer warp streams the chunks with TMA through 5 stages, each
+//!   announced full and handed back by mbarriers. `KernelVariants::Portable` forces the first.
+//!
 //! After each tile the block folds the tile's logits into a running best per column in shared
 //! memory (warp shuffles, then the four warps); at the end it writes one (value, id) partial
 //! per column, and a merge kernel (one block per column) picks the best of the P partials.

@@ -30,13 +30,16 @@
 //!   the whole-draft-block cases.
 //!
 //! CUDA (kernels/unary_topk.cu, compiled after kernels/proposal_argmax.cu whose fused head
-//! GEMM it shares). Each GEMM block keeps a running top-16 per column in shared memory: after
-//! every 128-row tile the block first finds, per column, the tile's best (warp shuffles, then
-//! the four warps); only columns whose tile best beats their current 16th entry are "hot",
-//! and only then are the tile's logits staged in shared memory (16 columns at a time) for one
-//! warp per hot column to insert candidates best-first until the next no longer beats the
-//! 16th. After the first tiles of a block almost nothing is hot. Each block writes its list
-//! per column; the merge (one block per column) takes the top 16 of the P * 16 partials.
+//! GEMM drivers, portable and sm_90a, it shares). Each GEMM block keeps a running top-16 per
+//! column in shared memory, whose 16th entry is the column's threshold. After every 128-row
+//! tile each thread tests its own logits against their column's threshold and appends only
+//! those that beat it to the column's candidate buffer (32 slots); one warp per column with
+//! candidates merges them into the list by rank (each element's new position is the number
+//! of elements of the union that beat it: independent shuffles and compares). A buffer that
+//! overflows (the first tiles of a block) repeats the pass over the logits not yet appended,
+//! against the raised thresholds, which is exact because thresholds only rise. Each block
+//! writes its list per column; the merge (one block per column) takes the top 16 of the
+//! P * 16 partials.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

@@ -328,3 +328,150 @@ proptest! {
         prop_assert_eq!(got, oracle(&logits, map.as_deref(), rows, considered));
     }
 }
+
+/// A model of the CUDA top-16 epilogue (`PhTopk` in kernels/unary_topk.cu), one column of
+/// one block: the running list, the threshold filter with a `UT_CAP`-slot candidate buffer
+/// that may overflow (appends in any order: the kernel's shared-memory atomics), the repeated
+/// passes, and the merge by rank exactly as the warp computes it (32 candidate lanes, the
+/// unused ones empty). Checked against a sort, so a wrong rank formula (ties, empty entries)
+/// or a lost candidate after an overflow fails here without a GPU.
+mod epilogue_model {
+    use proptest::prelude::*;
+
+    const K: usize = 16;
+    const CAP: usize = 32;
+    const NO_ID: i32 = i32::MAX;
+    type Entry = (f32, i32);
+    const EMPTY: Entry = (f32::NEG_INFINITY, NO_ID);
+
+    fn beats(a: Entry, b: Entry) -> bool {
+        a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
+    }
+
+    /// `insert`: ranks over the union, then each element ranked below 16 is written to its
+    /// slot; asserts that every slot is written exactly once (what the kernel relies on).
+    fn merge_by_rank(list: &mut [Entry; K], cands: &[Entry]) {
+        assert!(cands.len() <= CAP);
+        let lanes: Vec<Entry> = (0..CAP).map(|k| *cands.get(k).unwrap_or(&EMPTY)).collect();
+        let mut out = [None::<Entry>; K];
+        let mut put = |rank: usize, e: Entry| {
+            if rank < K {
+                assert!(out[rank].is_none(), "slot {rank} written twice");
+                out[rank] = Some(e);
+            }
+        };
+        for (j, &m) in list.iter().enumerate() {
+            put(j + lanes.iter().filter(|&&o| beats(o, m)).count(), m);
+        }
+        for &x in &lanes[..cands.len()] {
+            let rank = list.iter().filter(|&&o| beats(o, x)).count()
+                + lanes.iter().filter(|&&o| beats(o, x)).count();
+            put(rank, x);
+        }
+        for (slot, e) in list.iter_mut().zip(out) {
+            *slot = e.expect("every slot written");
+        }
+    }
+
+    /// `tile`: passes over the tile's (logit, id) elements (id NO_ID: not a candidate; NaN
+    /// ranks as -inf) until no buffer overflows; `order(pass)` permutes the appends.
+    fn tile(list: &mut [Entry; K], elems: &[Entry], mut order: impl FnMut(usize) -> Vec<usize>) {
+        let mut done: Vec<bool> = elems.iter().map(|e| e.1 == NO_ID).collect();
+        for pass in 0.. {
+            assert!(pass <= elems.len(), "the passes must terminate");
+            let threshold = list[K - 1];
+            let mut buf = Vec::new();
+            let mut over = false;
+            for i in order(pass) {
+                if done[i] {
+                    continue;
+                }
+                let (v, id) = elems[i];
+                let x = (if v.is_nan() { f32::NEG_INFINITY } else { v }, id);
+                if !beats(x, threshold) {
+                    continue;
+                }
+                if buf.len() < CAP {
+                    buf.push(x);
+                    done[i] = true;
+                } else {
+                    over = true;
+                }
+            }
+            if !buf.is_empty() {
+                merge_by_rank(list, &buf);
+            }
+            if !over {
+                break;
+            }
+        }
+    }
+
+    fn reference(all: &[Entry]) -> Vec<Entry> {
+        let mut v: Vec<Entry> = all
+            .iter()
+            .filter(|e| e.1 != NO_ID)
+            .map(|&(v, id)| (if v.is_nan() { f32::NEG_INFINITY } else { v }, id))
+            .collect();
+        v.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        v.resize(K.max(v.len()), EMPTY);
+        v.truncate(K);
+        v
+    }
+
+    proptest! {
+        #[test]
+        fn threshold_filter_and_rank_merge_give_the_exact_top16(
+            tiles in 1usize..6,
+            // Few distinct values: many exact ties among and around the 16th entry.
+            levels in prop::collection::vec(0u8..6, 128 * 5),
+            holes in prop::collection::vec(0u8..16, 128 * 5),
+            seed in any::<u64>(),
+        ) {
+            let mut rng = seed | 1;
+            let mut next = move || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng
+            };
+            let mut list = [EMPTY; K];
+            let mut all = Vec::new();
+            for t in 0..tiles {
+                let elems: Vec<Entry> = (0..128)
+                    .map(|r| {
+                        let i = t * 128 + r;
+                        let v = match levels[i] {
+                            5 => f32::NAN,
+                            l => f32::from(l) * 0.5,
+                        };
+                        // Ids ascend with the row (the kernel's rows), some rows no candidate.
+                        (v, if holes[i] == 0 { NO_ID } else { i as i32 })
+                    })
+                    .collect();
+                tile(&mut list, &elems, |_| {
+                    let mut p: Vec<usize> = (0..128).collect();
+                    for k in (1..p.len()).rev() {
+                        p.swap(k, (next() % (k as u64 + 1)) as usize);
+                    }
+                    p
+                });
+                all.extend_from_slice(&elems);
+            }
+            prop_assert_eq!(list.to_vec(), reference(&all));
+        }
+    }
+
+    #[test]
+    fn fewer_candidates_than_sixteen_leave_empty_entries_last() {
+        let mut list = [EMPTY; K];
+        let elems: Vec<Entry> = (0..128)
+            .map(|r| if r % 20 == 3 { (1.0, r) } else { (9.0, NO_ID) })
+            .collect();
+        tile(&mut list, &elems, |_| (0..128).rev().collect());
+        let got: Vec<i32> = list.iter().map(|e| e.1).collect();
+        let mut want = vec![3, 23, 43, 63, 83, 103, 123];
+        want.resize(K, NO_ID);
+        assert_eq!(got, want);
+    }
+}
