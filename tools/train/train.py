@@ -502,15 +502,20 @@ class Target(torch.nn.Module):
         return zc_rmsnorm(x, p["norm.weight"], eps) @ p["lm_head.weight"].T
 
     @torch.no_grad()
-    def greedy(self, prompts, new):
-        """Greedy continuation (public rows only) of equal-length prompts [B, P] by `new`."""
+    def generate(self, prompts, new, temperature=0.0, gen=None):
+        """Continue equal-length prompts [B, P] by `new` tokens (public rows only): greedy at
+        temperature 0, else sampled from softmax(logits / temperature) with `gen`."""
         B, P = prompts.shape
         st = self.empty_state(B)
         for t in range(P):
             logits = self.step(st, prompts[:, t], t)
         out = []
         for t in range(new):
-            nxt = logits[:, :PUBLIC_VOCAB].argmax(-1)
+            lg = logits[:, :PUBLIC_VOCAB]
+            if temperature > 0:
+                nxt = torch.multinomial((lg / temperature).softmax(-1), 1, generator=gen)[:, 0]
+            else:
+                nxt = lg.argmax(-1)
             out.append(nxt)
             logits = self.step(st, nxt, P + t)
         return torch.stack(out, dim=1)
@@ -748,12 +753,14 @@ class Draft(torch.nn.Module):
 
 
 def block_batch(tokens, lo, nb, gen):
-    """Random anchors F in [lo, T - K - 1] per row: ids [B, nb, W], anchors, labels [B, nb, K]."""
+    """Random anchors F in [lo, T - K - 1] per row, the first one of every four at F = lo (the
+    first round after a prefill): ids [B, nb, W], anchors, labels [B, nb, K], predecessors."""
     B, T = tokens.shape
     W = BLOCK_K + 1
     anchors = torch.stack(
         [torch.randint(int(lo[b]), T - W + 1, (nb,), generator=gen) for b in range(B)]
     )
+    anchors[:, ::4] = lo[:, None]
     idx = anchors[..., None] + torch.arange(W)
     seq = tokens.gather(1, idx.flatten(1)).view(B, nb, W)
     ids = torch.full_like(seq, MASK)
@@ -1009,16 +1016,20 @@ def main():
             v.copy_(bf16(v))  # what is committed and what the Rust target runs
     tm.requires_grad_(False)
 
-    # 2. Distillation data: greedy continuations of corpus prefixes (16..64 bytes).
+    # 2. Distillation data: continuations of corpus prefixes of 4..64 bytes, greedy, and
+    # sampled at temperature 0.8 for one chunk in four (so that the drafts also see the
+    # contexts and the distribution of sampled decoding).
     t0 = time.time()
     n = stream.numel() - SEQ
     toks, plens = [], []
     per = 256
+    lengths = [4, 8, 12, 16, 24, 32, 48, 64]
     for chunk in range(args.distill // per):
-        plen = 16 + 16 * (chunk % 4)
+        plen = lengths[chunk % len(lengths)]
         starts = torch.randint(0, n, (per,), generator=gen)
         prompts = torch.stack([stream[s : s + plen] for s in starts.tolist()])
-        cont = tm.greedy(prompts, SEQ - plen)
+        temp = 0.8 if chunk % 4 == 3 else 0.0
+        cont = tm.generate(prompts, SEQ - plen, temp, gen)
         toks.append(torch.cat([prompts, cont], dim=1))
         plens.append(torch.full((per,), plen))
     tokens = torch.cat(toks)
@@ -1038,7 +1049,7 @@ def main():
     hstream = token_stream(held_docs)
     hstarts = torch.randint(0, hstream.numel() - 40, (64,), generator=gen)
     hprompts = torch.stack([hstream[s : s + 32] for s in hstarts.tolist()])
-    htoks = torch.cat([hprompts, tm.greedy(hprompts, 64)], dim=1)
+    htoks = torch.cat([hprompts, tm.generate(hprompts, 64)], dim=1)
     with torch.no_grad():
         _, hf = tm(htoks, CAPTURE_IDS)
     held = (htoks, hf.to(torch.bfloat16), torch.full((64,), 32))
