@@ -114,7 +114,7 @@ pub enum HarnessError {
     /// The reference target could not be written or loaded.
     #[error(transparent)]
     Testkit(#[from] TestkitError),
-    /// The synthetic draft could not be written or loaded.
+    /// The draft could not be written or loaded.
     #[error(transparent)]
     Draft(#[from] DraftError),
     /// A backend operation failed.
