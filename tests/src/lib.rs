@@ -164,3 +164,130 @@ pub fn assert_no_context_leak(p: &DraftProposer) {
     }
     assert!(s.handles().is_empty(), "context handles leaked");
 }
+
+/// A proposer that delegates everything to `inner` but reports every retained q as the
+/// uniform distribution over its 16 candidates: a deliberately wrong DFlash2 (its proposals
+/// are still drawn from the true q). Speculative sampling with it must fail the
+/// distribution test.
+#[derive(Debug)]
+pub struct MisreportQ<P>(pub P);
+
+impl<P: Proposer> Proposer for MisreportQ<P> {
+    type Slot = P::Slot;
+    type Image = P::Image;
+    type HostImage = P::HostImage;
+
+    fn kind(&self) -> dflash_verify::ProposalKind {
+        self.0.kind()
+    }
+    fn draft_count(&self) -> usize {
+        self.0.draft_count()
+    }
+    fn rows(&self) -> usize {
+        self.0.rows()
+    }
+    fn memory_plan(&self) -> dflash_engine::MemoryPlan {
+        self.0.memory_plan()
+    }
+    fn check_target(&self, info: &dflash_engine::TargetInfo) -> dflash_engine::Result<()> {
+        self.0.check_target(info)
+    }
+    fn admit(&mut self, max_context: usize) -> dflash_engine::Result<Self::Slot> {
+        self.0.admit(max_context)
+    }
+    fn release(&mut self, slot: Self::Slot) -> dflash_engine::Result<()> {
+        self.0.release(slot)
+    }
+    fn live_slots(&self) -> usize {
+        self.0.live_slots()
+    }
+    fn push_prefill(
+        &mut self,
+        slot: Self::Slot,
+        start: usize,
+        features: dflash_ops::Buffer<dflash_ops::bf16>,
+    ) -> dflash_engine::Result<()> {
+        self.0.push_prefill(slot, start, features)
+    }
+    fn push_verified(
+        &mut self,
+        slot: Self::Slot,
+        start: usize,
+        features: &dflash_ops::Buffer<dflash_ops::bf16>,
+        first_row: usize,
+        rows: usize,
+    ) -> dflash_engine::Result<()> {
+        self.0.push_verified(slot, start, features, first_row, rows)
+    }
+    fn materialize(&mut self, slot: Self::Slot) -> dflash_engine::Result<()> {
+        self.0.materialize(slot)
+    }
+    fn coverage(&self, slot: Self::Slot) -> dflash_engine::Result<dflash_engine::Coverage> {
+        self.0.coverage(slot)
+    }
+    fn propose(
+        &mut self,
+        rows: &[dflash_engine::ProposeRow<'_, Self::Slot>],
+    ) -> dflash_engine::Result<Vec<dflash_engine::Proposal>> {
+        let mut out = self.0.propose(rows)?;
+        for p in &mut out {
+            for q in p.q.iter_mut().flatten() {
+                q.q = [1.0 / 16.0; 16];
+            }
+        }
+        Ok(out)
+    }
+    fn checkpoint(&self, slot: Self::Slot) -> dflash_engine::Result<Self::Image> {
+        self.0.checkpoint(slot)
+    }
+    fn host_replica(&self, slot: Self::Slot) -> dflash_engine::Result<Self::HostImage> {
+        self.0.host_replica(slot)
+    }
+    fn image_frontier(image: &Self::Image) -> usize {
+        P::image_frontier(image)
+    }
+    fn host_image_frontier(image: &Self::HostImage) -> usize {
+        P::host_image_frontier(image)
+    }
+    fn fork(&mut self, slot: Self::Slot) -> dflash_engine::Result<Self::Slot> {
+        self.0.fork(slot)
+    }
+    fn admit_restored(
+        &mut self,
+        max_context: usize,
+        image: &Self::Image,
+        target_frontier: usize,
+    ) -> dflash_engine::Result<Self::Slot> {
+        self.0.admit_restored(max_context, image, target_frontier)
+    }
+    fn admit_restored_host(
+        &mut self,
+        max_context: usize,
+        image: &Self::HostImage,
+        target_frontier: usize,
+    ) -> dflash_engine::Result<Self::Slot> {
+        self.0
+            .admit_restored_host(max_context, image, target_frontier)
+    }
+}
+
+/// A DFlash2 draft engine over the fixture whose proposer misreports q ([`MisreportQ`]).
+pub fn misreporting_draft_engine(
+    fx: &Fixture,
+    k: u32,
+    b: u32,
+    max_context: usize,
+) -> Result<Engine<ReferenceTarget, MisreportQ<DraftProposer>>, dflash_cli::HarnessError> {
+    let be = Backend::cpu();
+    let proposer = DraftProposer::new(
+        fx.draft(&be)?,
+        fx.parts(&be)?,
+        &options(fx.backend(), k, b, max_context),
+    )?;
+    Ok(Engine::new(
+        fx.target()?,
+        MisreportQ(proposer),
+        be,
+        &options(fx.backend(), k, b, max_context),
+    )?)
+}

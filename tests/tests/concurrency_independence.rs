@@ -26,7 +26,15 @@ fn requests() -> Vec<Request> {
             },
             seed: 1000 + i as u64,
             stop: StopConditions {
-                stop_tokens: vec![eos, (i as u32 * 37) % 500],
+                // Every third request stops at a common letter (so some stop early).
+                stop_tokens: vec![
+                    eos,
+                    if i % 3 == 0 {
+                        u32::from(b"etao"[(i / 3) % 4])
+                    } else {
+                        (i as u32 * 37) % 256
+                    },
+                ],
                 stop_sequences: Vec::new(),
             },
         })
@@ -39,12 +47,12 @@ fn check(backend: DraftBackend) {
     let k = 4;
     let mut alone = Vec::new();
     for r in &reqs {
-        let mut e = draft_engine(&fx, k, 1, 64).expect("engine");
+        let mut e = draft_engine(&fx, k, 1, 128).expect("engine");
         let id = e.submit(r.clone()).expect("submit");
         let c = run_checked(&mut e, 0);
         alone.push(c.outputs.get(&id).cloned().unwrap_or_default());
     }
-    let mut together = draft_engine(&fx, k, 8, 64).expect("engine");
+    let mut together = draft_engine(&fx, k, 8, 128).expect("engine");
     let ids: Vec<_> = reqs
         .iter()
         .map(|r| together.submit(r.clone()).expect("submit"))

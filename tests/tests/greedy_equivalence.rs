@@ -2,6 +2,11 @@
 //! for both backends, K in {1, 4, 15} and B in {1, 3, 8}, over many prompts with stop tokens,
 //! stop sequences and budgets that cut rounds in the middle; the draft context coverage equals
 //! the committed target frontier after every step and after every materialize; nothing leaks.
+//!
+//! The drafts are the trained ones, so the real proposer drives multi-row commits: with K >= 4
+//! at least 30% of the row-rounds commit N >= 3 rows (a random draft commits N = 1 almost
+//! always, which would leave the commit of several rows, the pending features of several
+//! columns and the draft positions after a long commit untested).
 
 use dflash_cli::{Fixture, demo_prompts};
 use dflash_config::Backend as DraftBackend;
@@ -19,7 +24,7 @@ fn requests(fx: &Fixture, seed: u64) -> Vec<Request> {
         .enumerate()
         .map(|(i, p)| Request {
             stop: StopConditions::eos(eos),
-            ..Request::greedy(p, 4 + (i * 7 + seed as usize) % 20)
+            ..Request::greedy(p, 12 + (i * 7 + seed as usize) % 20)
         })
         .collect();
     let plain = plain_outputs(fx, &reqs);
@@ -38,6 +43,7 @@ fn requests(fx: &Fixture, seed: u64) -> Vec<Request> {
 
 fn check(backend: DraftBackend, k: u32) {
     let fx = Fixture::write(backend).expect("fixture");
+    let (mut long, mut row_rounds) = (0usize, 0usize);
     for (bi, b) in [1u32, 3, 8].into_iter().enumerate() {
         let reqs = requests(&fx, 11 * u64::from(k) + bi as u64);
         let expected = plain_outputs(&fx, &reqs);
@@ -81,10 +87,18 @@ fn check(backend: DraftBackend, k: u32) {
                 assert!(r.proposed.len() <= k as usize);
                 assert_eq!(r.licensed.len(), r.accepted + 1);
                 assert!(r.committed >= 1 && r.committed <= r.licensed.len());
+                row_rounds += 1;
+                long += usize::from(r.committed >= 3);
             }
         }
         assert_eq!(engine.held(), (0, 0), "sequences and slots released");
         assert_no_context_leak(engine.proposer());
+    }
+    if k >= 4 {
+        assert!(
+            10 * long >= 3 * row_rounds,
+            "{backend:?} K={k}: only {long} of {row_rounds} row-rounds commit N >= 3"
+        );
     }
 }
 
@@ -118,7 +132,7 @@ fn dflash2_k15_greedy_equals_plain_decoding() {
     check(DraftBackend::DFlash2, 15);
 }
 
-/// The indexed (shortlist) proposal head: proposals come from 128 of the 500 public rows,
+/// The indexed (shortlist) proposal head: proposals come from 128 of the 257 public rows,
 /// remapped to global ids; the output is still exactly plain greedy decoding.
 fn indexed_head(backend: DraftBackend) {
     use dflash_config::ProposalHead;
@@ -140,7 +154,7 @@ fn indexed_head(backend: DraftBackend) {
         },
         ..full
     };
-    let mut opts = dflash_e2e::options(backend, 4, 3, 64);
+    let mut opts = dflash_e2e::options(backend, 4, 3, 128);
     opts.startup.proposal_head = ProposalHead::Indexed { rows: 128 };
     let mut engine = Engine::with_draft(
         fx.target().expect("target"),

@@ -151,7 +151,7 @@ fn a_draft_that_does_not_fit_the_target_is_refused() {
     let fx = Fixture::write(DraftBackend::DFlash2).expect("fixture");
     let be = Backend::cpu();
     let other_ids =
-        ReferenceTarget::load(&fx.target_dir(), &[1, 4, 7], target_geometry().public_vocab)
+        ReferenceTarget::load(&fx.target_dir(), &[0, 1, 3], target_geometry().public_vocab)
             .expect("target");
     let e = Engine::with_draft(
         other_ids,
@@ -176,7 +176,7 @@ fn a_draft_that_does_not_fit_the_target_is_refused() {
 fn bad_requests_are_refused_and_nothing_is_queued() {
     let fx = Fixture::write(DraftBackend::DFlash).expect("fixture");
     let mut e = draft_engine(&fx, 4, 2, 32).expect("engine");
-    let p = demo_prompts(1, 1).remove(0);
+    let p = demo_prompts(1, 1).remove(0)[..8].to_vec();
     let cases: Vec<(Request, &str)> = vec![
         (Request::greedy(Vec::new(), 4), "empty"),
         (Request::greedy(p.clone(), 0), "budget"),
@@ -230,7 +230,10 @@ fn bad_requests_are_refused_and_nothing_is_queued() {
 fn slots_images_and_unknown_ids_are_typed_errors_without_state_change() {
     let fx = Fixture::write(DraftBackend::DFlash).expect("fixture");
     let mut e = draft_engine(&fx, 4, 2, 64).expect("engine");
-    let ps = demo_prompts(2, 5);
+    let ps: Vec<Vec<u32>> = demo_prompts(2, 5)
+        .into_iter()
+        .map(|p| p[..20].to_vec())
+        .collect();
     let a = e.submit(Request::greedy(ps[0].clone(), 30)).expect("a");
     let b = e.submit(Request::greedy(ps[1].clone(), 30)).expect("b");
     e.step(&mut |_| {}).expect("step");

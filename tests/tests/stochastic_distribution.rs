@@ -1,16 +1,21 @@
 //! Seeded stochastic speculative decoding reproduces plain target sampling's distribution.
 //!
-//! Setup: one prompt, temperature 1 with top-k 3 (so every position has at most 3 tokens),
-//! a budget of 3 output tokens: the output `(y_0, y_1, y_2)` takes at most 27 values. Its exact
-//! probability under plain target sampling is computed from the target itself
-//! (`p_0(y_0) p_1(y_1 | y_0) p_2(y_2 | y_0, y_1)`, each `p` the `target_distribution` op over
-//! the target's logits). `N` requests with seeds `1..=N` are decoded and the counts compared
+//! Setup ([`drafts_setup`]): one held-out prompt of 16 bytes, temperature 0.7 with top-k 2 (so
+//! every position has at most 2 tokens), a budget of 5 output tokens: the output
+//! `(y_0, .., y_4)` takes at most 32 values. Its exact probability under plain target sampling
+//! is computed from the target itself (`p_0(y_0) p_1(y_1 | y_0) ...`, each `p` the
+//! `target_distribution` op over the target's logits). The speculative runs use the trained
+//! drafts with K = 4, so one round can finish a request; their proposals must really be
+//! accepted (at least one per row-round on average), so that acceptance, the residual and the
+//! bonus all carry mass. `N` requests with seeds `1..=N` are decoded and the counts compared
 //! with Pearson's chi-square statistic (cells with an expected count below 5 pooled).
 //!
 //! Threshold: the chi-square quantile of `df = cells - 1` at upper tail `1e-6` (Wilson-Hilferty
 //! approximation with `z = 4.753`), so a correct implementation fails with probability about
 //! `1e-6` per check (the seeds are fixed, so a run is deterministic; this is the chance that the
-//! fixed seeds happen to be unlucky). The wrong variant — a proposer that draws its proposals
+//! fixed seeds happen to be unlucky). The trained DFlash2 draft reporting a uniform q must
+//! exceed the threshold by far. The shadow proposer's test ([`shadow_setup`]: temperature 1,
+//! top-k 3, 3 tokens) checks its wrong variant — a proposer that draws its proposals
 //! from `r = [0.1, 0.1, 0.7, ...]` over 16 candidates but reports a uniform q — moves most mass
 //! onto the target's third-best token and must exceed the same threshold by far.
 
@@ -18,7 +23,7 @@ use std::collections::HashMap;
 
 use dflash_cli::{Fixture, demo_prompts};
 use dflash_config::Backend as DraftBackend;
-use dflash_e2e::{Strategy, draft_engine, shadow_engine};
+use dflash_e2e::{Strategy, draft_engine, misreporting_draft_engine, shadow_engine};
 use dflash_engine::{
     Commit, Engine, Event, Proposer, Request, SamplingSettings, Target, VerifyBatch, VerifyOutputs,
     VerifyRow, plain_decode,
@@ -29,26 +34,50 @@ use dflash_testkit::ReferenceTarget;
 
 /// Samples per variant.
 const N: u64 = 1000;
-/// Output tokens per request.
-const LEN: usize = 3;
+/// Draft count of the speculative runs (a row of `LEN` outputs can finish in one round).
+const K: u32 = 4;
 
-fn settings() -> SamplingSettings {
-    SamplingSettings {
-        top_k: 3,
-        ..SamplingSettings::sampling(1.0)
+/// One statistical setup: prompt, sampling settings and output length.
+#[derive(Clone)]
+struct Setup {
+    prompt: Vec<u32>,
+    settings: SamplingSettings,
+    len: usize,
+}
+
+/// The trained drafts' setup: a short held-out prompt, "Create a fresh i" (the reference
+/// target's prefill dominates the cost of a sample), temperature 0.7, top-k 2, 5 tokens: the
+/// target's next tokens are uncertain enough for a non-degenerate support and predictable
+/// enough for the drafts to be accepted.
+fn drafts_setup() -> Setup {
+    Setup {
+        prompt: demo_prompts(1, 5).remove(0)[..16].to_vec(),
+        settings: SamplingSettings {
+            top_k: 2,
+            ..SamplingSettings::sampling(0.7)
+        },
+        len: 5,
     }
 }
 
-/// A short prompt (the reference target's prefill dominates the cost of a sample).
-fn prompt() -> Vec<u32> {
-    demo_prompts(1, 4242).remove(0)[..3].to_vec()
+/// The shadow proposer's setup: temperature 1, top-k 3 (its wrong variant moves mass onto the
+/// third-best token), 3 tokens, after the held-out prompt "Write the buffer".
+fn shadow_setup() -> Setup {
+    Setup {
+        prompt: demo_prompts(1, 9).remove(0)[..16].to_vec(),
+        settings: SamplingSettings {
+            top_k: 3,
+            ..SamplingSettings::sampling(1.0)
+        },
+        len: 3,
+    }
 }
 
 /// The processed target distribution of one logits column (no penalties are set, so the
 /// history counts do not matter).
-fn processed(be: &Backend, logits: &[f32], public: usize) -> Vec<f32> {
+fn processed(su: &Setup, be: &Backend, logits: &[f32], public: usize) -> Vec<f32> {
     let v = logits.len();
-    let s = SamplingBuffers::upload(be, &[settings()]).expect("settings");
+    let s = SamplingBuffers::upload(be, &[su.settings]).expect("settings");
     let mut p = be.zeros(v).expect("p");
     target_distribution::run(
         be,
@@ -69,12 +98,17 @@ fn processed(be: &Backend, logits: &[f32], public: usize) -> Vec<f32> {
     be.download(&p).expect("download")
 }
 
-/// Exact probabilities of every output sequence of length LEN under plain sampling.
-fn exact(target: &mut ReferenceTarget) -> HashMap<Vec<u32>, f64> {
+/// Exact probabilities of every output sequence of length `su.len` under plain sampling.
+fn exact(su: &Setup, target: &mut ReferenceTarget) -> HashMap<Vec<u32>, f64> {
     let be = Backend::cpu();
     let public = target.info().public_vocab;
-    let (seq, pre) = target.create_with_prompt(&be, &prompt()).expect("prefill");
-    let first = processed(&be, &be.download(&pre.last_logits).expect("logits"), public);
+    let (seq, pre) = target.create_with_prompt(&be, &su.prompt).expect("prefill");
+    let first = processed(
+        su,
+        &be,
+        &be.download(&pre.last_logits).expect("logits"),
+        public,
+    );
     let mut out = HashMap::new();
     let mut stack = vec![(seq, Vec::<u32>::new(), 1.0f64, first)];
     let mut outputs = VerifyOutputs::alloc(&be, target.info(), 1, 1).expect("outputs");
@@ -86,7 +120,7 @@ fn exact(target: &mut ReferenceTarget) -> HashMap<Vec<u32>, f64> {
             let mut seqv = prefix.clone();
             seqv.push(t as u32);
             let pr = prob * f64::from(pt);
-            if seqv.len() == LEN {
+            if seqv.len() == su.len {
                 out.insert(seqv, pr);
                 continue;
             }
@@ -103,7 +137,12 @@ fn exact(target: &mut ReferenceTarget) -> HashMap<Vec<u32>, f64> {
                 )
                 .expect("verify");
             target.commit(&[Commit::prefix(f, 1)]).expect("commit");
-            let next = processed(&be, &be.download(&outputs.logits).expect("logits"), public);
+            let next = processed(
+                su,
+                &be,
+                &be.download(&outputs.logits).expect("logits"),
+                public,
+            );
             stack.push((f, seqv, pr, next));
         }
         target.release(s).expect("release");
@@ -111,18 +150,18 @@ fn exact(target: &mut ReferenceTarget) -> HashMap<Vec<u32>, f64> {
     out
 }
 
-fn requests() -> Vec<Request> {
+fn requests(su: &Setup) -> Vec<Request> {
     (1..=N)
         .map(|seed| Request {
-            sampling: settings(),
+            sampling: su.settings,
             seed,
-            ..Request::greedy(prompt(), LEN)
+            ..Request::greedy(su.prompt.clone(), su.len)
         })
         .collect()
 }
 
-fn engine_samples<T: Target, P: Proposer>(engine: &mut Engine<T, P>) -> Vec<Vec<u32>> {
-    let reqs = requests();
+fn engine_samples<T: Target, P: Proposer>(su: &Setup, engine: &mut Engine<T, P>) -> Vec<Vec<u32>> {
+    let reqs = requests(su);
     let ids: Vec<_> = reqs
         .iter()
         .map(|r| engine.submit(r.clone()).expect("submit"))
@@ -181,10 +220,16 @@ fn threshold(df: usize) -> f64 {
     k * (1.0 - a + z * a.sqrt()).powi(3)
 }
 
-fn check(name: &str, samples: &[Vec<u32>], exact: &HashMap<Vec<u32>, f64>) -> (f64, f64) {
+fn check(
+    su: &Setup,
+    name: &str,
+    samples: &[Vec<u32>],
+    exact: &HashMap<Vec<u32>, f64>,
+) -> (f64, f64) {
     assert!(
-        samples.iter().all(|s| s.len() == LEN),
-        "{name}: every output has {LEN} tokens"
+        samples.iter().all(|s| s.len() == su.len),
+        "{name}: every output has {} tokens",
+        su.len
     );
     let (chi, df) = chi_square(samples, exact);
     let t = threshold(df);
@@ -196,13 +241,14 @@ fn check(name: &str, samples: &[Vec<u32>], exact: &HashMap<Vec<u32>, f64>) -> (f
 fn plain_sampling_matches_the_exact_distribution() {
     let fx = Fixture::write(DraftBackend::DFlash).expect("fixture");
     let mut target = fx.target().expect("target");
-    let ex = exact(&mut target);
+    let su = drafts_setup();
+    let ex = exact(&su, &mut target);
     let total: f64 = ex.values().sum();
     assert!(
         (total - 1.0).abs() < 1e-5,
         "exact probabilities sum to {total}"
     );
-    let samples: Vec<Vec<u32>> = requests()
+    let samples: Vec<Vec<u32>> = requests(&su)
         .iter()
         .map(|r| {
             plain_decode(&mut target, &Backend::cpu(), r)
@@ -210,28 +256,58 @@ fn plain_sampling_matches_the_exact_distribution() {
                 .tokens
         })
         .collect();
-    let (chi, t) = check("plain", &samples, &ex);
+    let (chi, t) = check(&su, "plain", &samples, &ex);
     assert!(chi < t, "plain sampling: chi2 {chi:.1} >= threshold {t:.1}");
+}
+
+/// Mean accepted proposals per row-round of an engine's run.
+fn mean_accepted<T: Target, P: Proposer>(engine: &Engine<T, P>) -> f64 {
+    let s = engine.stats();
+    s.accepted as f64 / s.row_rounds.max(1) as f64
+}
+
+/// The trained draft's proposals are really accepted (at least one per row-round on average,
+/// so the accept, residual and bonus paths all carry mass) and the output distribution is
+/// still the target's.
+fn speculative_sampling_matches(backend: DraftBackend) {
+    let fx = Fixture::write(backend).expect("fixture");
+    let su = drafts_setup();
+    let ex = exact(&su, &mut fx.target().expect("target"));
+    let mut engine = draft_engine(&fx, K, 8, 64).expect("engine");
+    let samples = engine_samples(&su, &mut engine);
+    let (chi, t) = check(&su, &format!("{backend:?}"), &samples, &ex);
+    assert!(chi < t, "{backend:?}: chi2 {chi:.1} >= threshold {t:.1}");
+    let m = mean_accepted(&engine);
+    assert!(
+        m >= 1.0,
+        "{backend:?}: mean accepted per row-round {m:.2} < 1"
+    );
 }
 
 #[test]
 fn dflash_speculative_sampling_matches_plain_sampling() {
-    let fx = Fixture::write(DraftBackend::DFlash).expect("fixture");
-    let ex = exact(&mut fx.target().expect("target"));
-    let mut engine = draft_engine(&fx, 2, 8, 64).expect("engine");
-    let samples = engine_samples(&mut engine);
-    let (chi, t) = check("dflash", &samples, &ex);
-    assert!(chi < t, "DFlash: chi2 {chi:.1} >= threshold {t:.1}");
+    speculative_sampling_matches(DraftBackend::DFlash);
 }
 
 #[test]
 fn dflash2_speculative_sampling_matches_plain_sampling() {
+    speculative_sampling_matches(DraftBackend::DFlash2);
+}
+
+/// The trained DFlash2 draft reporting a uniform q instead of its retained q (its proposals
+/// still drawn from the true q) must fail the same statistic by far.
+#[test]
+fn dflash2_draft_with_a_misreported_q_fails() {
     let fx = Fixture::write(DraftBackend::DFlash2).expect("fixture");
-    let ex = exact(&mut fx.target().expect("target"));
-    let mut engine = draft_engine(&fx, 2, 8, 64).expect("engine");
-    let samples = engine_samples(&mut engine);
-    let (chi, t) = check("dflash2", &samples, &ex);
-    assert!(chi < t, "DFlash2: chi2 {chi:.1} >= threshold {t:.1}");
+    let su = drafts_setup();
+    let ex = exact(&su, &mut fx.target().expect("target"));
+    let mut engine = misreporting_draft_engine(&fx, K, 8, 64).expect("engine");
+    let samples = engine_samples(&su, &mut engine);
+    let (chi, t) = check(&su, "misreported DFlash2", &samples, &ex);
+    assert!(
+        chi > 10.0 * t,
+        "the misreported q must fail the statistic by far: chi2 {chi:.1}, threshold {t:.1}"
+    );
 }
 
 /// A truthful 16-candidate proposer (which proposes the target's likely tokens, so many
@@ -239,12 +315,13 @@ fn dflash2_speculative_sampling_matches_plain_sampling() {
 #[test]
 fn truthful_top16_passes_and_misreported_q_fails() {
     let fx = Fixture::write(DraftBackend::DFlash2).expect("fixture");
-    let ex = exact(&mut fx.target().expect("target"));
+    let su = shadow_setup();
+    let ex = exact(&su, &mut fx.target().expect("target"));
     let mut honest =
         shadow_engine(&fx, Strategy::Top16 { misreport: false }, 2, 8, 64, 3).expect("engine");
-    let samples = engine_samples(&mut honest);
+    let samples = engine_samples(&su, &mut honest);
     let accepted = honest.stats().accepted;
-    let (chi, t) = check("truthful top16", &samples, &ex);
+    let (chi, t) = check(&su, "truthful top16", &samples, &ex);
     assert!(chi < t, "truthful q: chi2 {chi:.1} >= threshold {t:.1}");
     assert!(
         accepted > N / 4,
@@ -253,8 +330,8 @@ fn truthful_top16_passes_and_misreported_q_fails() {
 
     let mut wrong =
         shadow_engine(&fx, Strategy::Top16 { misreport: true }, 2, 8, 64, 3).expect("engine");
-    let samples = engine_samples(&mut wrong);
-    let (chi, t) = check("misreported top16", &samples, &ex);
+    let samples = engine_samples(&su, &mut wrong);
+    let (chi, t) = check(&su, "misreported top16", &samples, &ex);
     assert!(
         chi > 10.0 * t,
         "the misreported q must fail the statistic by far: chi2 {chi:.1}, threshold {t:.1}"

@@ -265,7 +265,7 @@ fn fixtures(args: &[String]) -> Result<ExitCode> {
     let target_dir = out.join("target-tiny");
     dflash_testkit::fixtures::write_reference_target(
         &target_dir,
-        &dflash_cli::target_geometry(),
+        &dflash_testkit::TargetGeometry::tiny(),
         seed,
     )
     .with_context(|| format!("writing {}", target_dir.display()))?;
@@ -277,7 +277,7 @@ fn fixtures(args: &[String]) -> Result<ExitCode> {
         ("draft-tiny-dflash", DraftBackend::DFlash),
         ("draft-tiny-dflash2", DraftBackend::DFlash2),
     ] {
-        let spec = dflash_cli::draft_spec(backend);
+        let spec = dflash_cli::tiny_draft_spec(backend);
         let dir = out.join(name);
         write_draft(
             &dir,

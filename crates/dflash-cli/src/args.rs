@@ -12,7 +12,10 @@ use dflash_config::{
 };
 use dflash_draft::{ConfigReport, parse_draft_config};
 
-use crate::{HarnessError, Result, check_run_size, draft_spec, target_text_config};
+use crate::{
+    HarnessError, MAX_PROMPT_TOKENS, Result, check_run_size, default_draft_config,
+    target_text_config,
+};
 
 /// Where the draft, context and verification run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,8 +39,13 @@ pub struct Args {
     pub temperature: f32,
     /// `--seed`.
     pub seed: u64,
-    /// `--prompts`.
-    pub prompts: usize,
+    /// `--prompts`: how many built-in prompts; `None`: 4 without `--prompt`, none with it.
+    pub prompts: Option<usize>,
+    /// `--prompt TEXT` (repeatable): prompts of the user's own, run before any built-in ones.
+    pub prompt_texts: Vec<String>,
+    /// `--random-draft`: the embedded default's draft geometry with random weights instead of
+    /// the trained ones (to see what an untrained draft does).
+    pub random_draft: bool,
     /// `--max-new`.
     pub max_new: usize,
     /// `--device`.
@@ -66,8 +74,10 @@ impl Default for Args {
             b: 4,
             temperature: 0.0,
             seed: 1,
-            prompts: 4,
-            max_new: 32,
+            prompts: None,
+            prompt_texts: Vec::new(),
+            random_draft: false,
+            max_new: 64,
             device: Device::Cpu,
             oracle: None,
             quiet: false,
@@ -82,8 +92,8 @@ impl Default for Args {
 
 /// Usage text.
 pub const USAGE: &str = "usage: dflash [--backend dflash|dflash2] [--k N] [--b N] [--temperature T] \
-[--seed S] [--prompts N] [--max-new N] [--device cpu|cuda] [--oracle RHO] [--quiet] [--geometry] \
-[--draft-config FILE] [--mask-token-id N] [--strict]";
+[--seed S] [--prompts N] [--prompt TEXT]... [--max-new N] [--device cpu|cuda] [--oracle RHO] \
+[--random-draft] [--quiet] [--geometry] [--draft-config FILE] [--mask-token-id N] [--strict]";
 
 fn flag_error(flag: &str, expected: impl Into<String>, found: impl Into<String>) -> HarnessError {
     HarnessError::Flag {
@@ -99,16 +109,16 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str, what: &str) -> Result<T
         .map_err(|_| flag_error(flag, what, format!("`{value}`")))
 }
 
-/// Parse the arguments after the program name. Every flag may appear once; a flag that takes
-/// a value needs one; values are checked for range here (K, B, temperature, RHO, at least one
-/// prompt and one token), the rest by [`plan`].
+/// Parse the arguments after the program name. Every flag may appear once (`--prompt` as
+/// often as wanted); a flag that takes a value needs one; values are checked for range here
+/// (K, B, temperature, RHO), the rest (prompt lengths, run size) by [`plan`].
 pub fn parse_args(args: &[String]) -> Result<Args> {
     let mut a = Args::default();
     let mut seen: Vec<&str> = Vec::new();
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let flag = flag.as_str();
-        if seen.contains(&flag) {
+        if flag != "--prompt" && seen.contains(&flag) {
             return Err(flag_error(flag, "at most once", "it twice"));
         }
         let mut value = || match it.next() {
@@ -148,7 +158,11 @@ pub fn parse_args(args: &[String]) -> Result<Args> {
                 a.temperature = t;
             }
             "--seed" => a.seed = number(flag, value()?, "an integer 0..=18446744073709551615")?,
-            "--prompts" => a.prompts = number(flag, value()?, "a positive integer")?,
+            "--prompts" => a.prompts = Some(number(flag, value()?, "a positive integer")?),
+            // A text starting with `--` is taken for a missing value (write it with a
+            // leading space).
+            "--prompt" => a.prompt_texts.push(value()?.to_owned()),
+            "--random-draft" => a.random_draft = true,
             "--max-new" => a.max_new = number(flag, value()?, "a positive integer")?,
             "--device" => {
                 a.device = match value()? {
@@ -201,6 +215,18 @@ pub struct RunPlan {
     pub geometry: Geometry,
     /// The startup options (K, B, mask token) checked against the draft.
     pub startup: Startup,
+    /// The prompts of the run, as token ids: the `--prompt` texts, then the built-in ones.
+    pub prompts: Vec<Vec<u32>>,
+    /// Whether the draft has random weights (`--draft-config` or `--random-draft`).
+    pub random_draft: bool,
+}
+
+impl Args {
+    /// How many built-in prompts the run uses.
+    pub fn builtin_prompts(&self) -> usize {
+        self.prompts
+            .unwrap_or(if self.prompt_texts.is_empty() { 4 } else { 0 })
+    }
 }
 
 /// Map a startup refusal to the flag that set the option (`config` names the draft config).
@@ -230,7 +256,15 @@ fn startup_error(e: dflash_config::ConfigError, config: &std::path::Path) -> Har
 /// default of `--backend`), parsed in `--strict` or lenient mode and validated against the
 /// reference target, and the startup options (backend, K, B, mask token) against it.
 pub fn plan(args: &Args) -> Result<RunPlan> {
-    check_run_size(args.prompts, args.max_new)?;
+    let mut prompts = Vec::new();
+    for t in &args.prompt_texts {
+        if t.is_empty() || t.len() > MAX_PROMPT_TOKENS {
+            return Err(HarnessError::PromptTooLong { found: t.len() });
+        }
+        prompts.push(crate::encode(t));
+    }
+    prompts.extend(crate::demo_prompts(args.builtin_prompts(), args.seed));
+    check_run_size(prompts.len(), args.max_new)?;
     let (path, text) = match &args.draft_config {
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(|source| HarnessError::Read {
@@ -241,7 +275,7 @@ pub fn plan(args: &Args) -> Result<RunPlan> {
         }
         None => (
             PathBuf::from("the embedded default draft config"),
-            draft_spec(args.backend.unwrap_or(DraftBackend::DFlash)).draft_config_json(),
+            default_draft_config(args.backend.unwrap_or(DraftBackend::DFlash)).to_owned(),
         ),
     };
     let mode = if args.strict {
@@ -259,9 +293,11 @@ pub fn plan(args: &Args) -> Result<RunPlan> {
         .validate(&geometry)
         .map_err(|e| startup_error(e, &path))?;
     Ok(RunPlan {
+        random_draft: args.random_draft || args.draft_config.is_some(),
         draft_config_json: text,
         report,
         geometry,
         startup,
+        prompts,
     })
 }

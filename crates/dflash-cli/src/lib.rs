@@ -1,17 +1,20 @@
-//! The embedded default of the `dflash` binary, shared with the end-to-end tests: a synthetic
-//! DFlash / DFlash2 draft checkpoint matched to the reference hybrid target of
-//! `dflash-testkit` (tiny geometry), written into a scratch directory and loaded on a backend;
-//! demo prompts; and the readable per-round trace.
+//! The embedded default of the `dflash` binary, shared with the end-to-end tests: the trained
+//! pair of `dflash-testkit` ([`dflash_testkit::trained`]: a small Qwen3.5-style hybrid target
+//! trained on real text, a DFlash and a DFlash2 draft trained for it), written into a scratch
+//! directory and loaded on a backend; the built-in prompts (text never used in training); and
+//! the readable per-round trace.
 //!
-//! The pairing: the target is [`TargetGeometry::tiny`] (H 64, 8 blocks, 512 vocabulary rows
-//! of which 500 public, EOS 499); the draft has the target's hidden width and vocabulary, two
-//! layers (DFlash: one sliding-window layer with S = 8 and one full layer; DFlash2: two
-//! sliding-window layers), 4 query / 2 KV heads of 16, MLP width 128, captured target blocks
-//! `[1, 4, 6]` and mask token 503 (a padding row of the target's embedding).
+//! The pairing: the target is [`target_geometry`] (H 128, 4 blocks = 3 Gated DeltaNet + 1
+//! gated attention, byte-level vocabulary of 257 public ids in 320 rows, EOS 256); the drafts
+//! have the target's hidden width and vocabulary, two layers (DFlash: a sliding-window layer
+//! with S = 32 and a full layer; DFlash2: two sliding-window layers), 4 query / 2 KV heads of
+//! 32, MLP width 384, captured target blocks [`CAPTURE_IDS`] and mask token [`MASK_TOKEN`] (a
+//! padding row of the target's embedding). A draft config given on purpose
+//! ([`Fixture::write_config`]) gets synthetic random weights instead.
 //!
 //! [`shadow::ShadowProposer`] is a proposer over a private copy of the target (the oracle the
 //! tests and `dflash --oracle` use to drive long acceptances). [`args`] is the `dflash` command
-//! line and its run plan, checked before anything runs; [`check_run_size`] bounds `--prompts`
+//! line and its run plan, checked before anything runs; [`check_run_size`] bounds the prompts
 //! and `--max-new` by the run's memory plan.
 
 #![deny(missing_docs)]
@@ -26,16 +29,12 @@ use dflash_draft::synthetic::{self, Layout, TinySpec};
 use dflash_draft::{BindOptions, DraftError, DraftModel};
 use dflash_engine::{DraftHead, DraftTargetParts, EngineError, RowReport, StepReport};
 use dflash_ops::{Backend, OpsError, bf16};
-use dflash_testkit::fixtures::{SplitMix64, write_reference_target};
+use dflash_testkit::trained;
 use dflash_testkit::{ReferenceTarget, TEXT_PREFIX, TargetGeometry, TestkitError};
 
-/// Captured target block ids of the default draft (recorded order).
-pub const CAPTURE_IDS: [u32; 3] = [1, 4, 6];
-/// The default draft's mask token (a non-public padding row of the tiny target).
-pub const MASK_TOKEN: u32 = 503;
-/// Seed of the reference target's weights.
-pub const TARGET_SEED: u64 = 0x00d1_a5e5;
-/// Seed of the synthetic draft's weights.
+pub use dflash_testkit::trained::{CAPTURE_IDS, MASK_TOKEN, decode, encode};
+
+/// Seed of a synthetic (random) draft's weights ([`Fixture::write_config`]).
 pub const DRAFT_SEED: u64 = 0x0dfa_2002;
 
 /// Everything that can go wrong in the `dflash` command's library: a refused flag or file,
@@ -68,9 +67,9 @@ pub enum HarnessError {
         /// The OS error.
         source: std::io::Error,
     },
-    /// `--max-new` exceeds what the reference target can hold after the longest demo prompt.
+    /// `--max-new` exceeds what the reference target can hold after the longest prompt.
     #[error(
-        "`--max-new`: expected 1..={max} (the reference target holds {positions} positions and a demo prompt has up to {MAX_DEMO_PROMPT_TOKENS} tokens), found {found}"
+        "`--max-new`: expected 1..={max} (the reference target holds {positions} positions and a prompt has up to {MAX_PROMPT_TOKENS} tokens), found {found}"
     )]
     MaxNewTooLarge {
         /// The value given.
@@ -82,7 +81,7 @@ pub enum HarnessError {
     },
     /// `--prompts` asks for more requests than the run's host memory plan admits.
     #[error(
-        "`--prompts`: expected 1..={max} (the run's memory plan admits {max} requests of up to {MAX_DEMO_PROMPT_TOKENS} + {max_new} tokens, {per_request} bytes each, in its {budget}-byte host budget), found {found}"
+        "`--prompts`: expected 1..={max} (the run's memory plan admits {max} requests of up to {MAX_PROMPT_TOKENS} + {max_new} tokens, {per_request} bytes each, in its {budget}-byte host budget), found {found}"
     )]
     TooManyPrompts {
         /// The value given.
@@ -96,6 +95,14 @@ pub enum HarnessError {
         /// [`HOST_MEMORY_BUDGET`].
         budget: u64,
     },
+    /// A `--prompt` text is empty or longer than [`MAX_PROMPT_TOKENS`] bytes.
+    #[error(
+        "`--prompt`: expected a text of 1..={MAX_PROMPT_TOKENS} bytes (one token per byte), found {found} bytes"
+    )]
+    PromptTooLong {
+        /// Its length in bytes.
+        found: usize,
+    },
     /// A scratch file or directory could not be made.
     #[error("{path}: {source}")]
     Io {
@@ -107,7 +114,7 @@ pub enum HarnessError {
     /// The reference target could not be written or loaded.
     #[error(transparent)]
     Testkit(#[from] TestkitError),
-    /// The synthetic draft could not be written or loaded.
+    /// The draft could not be written or loaded.
     #[error(transparent)]
     Draft(#[from] DraftError),
     /// A backend operation failed.
@@ -145,15 +152,16 @@ impl HarnessError {
             | Self::Read { .. }
             | Self::MaxNewTooLarge { .. }
             | Self::TooManyPrompts { .. }
+            | Self::PromptTooLong { .. }
             | Self::Draft(DraftError::ConfigFile { .. }) => 2,
             _ => 1,
         }
     }
 }
 
-/// The target geometry of the embedded default.
+/// The target geometry of the embedded default (the trained target).
 pub fn target_geometry() -> TargetGeometry {
-    TargetGeometry::tiny()
+    trained::target_geometry()
 }
 
 /// The reference target's text config as the draft sees it (H, blocks, rows, EOS, public
@@ -170,8 +178,8 @@ pub fn target_text_config() -> TargetTextConfig {
     }
 }
 
-/// Tokens of the longest demo prompt ([`demo_prompts`] makes 6 to 20).
-pub const MAX_DEMO_PROMPT_TOKENS: usize = 20;
+/// Tokens (bytes) of the longest prompt, built-in or `--prompt`.
+pub const MAX_PROMPT_TOKENS: usize = 256;
 
 /// Host bytes the main job may plan for its requests (prompts, requests, published outputs
 /// and the plain-decoding baseline).
@@ -182,12 +190,11 @@ pub const ENGINE_MEMORY_BUDGET: u64 = 1 << 30;
 
 /// Host bytes one request of the main job may hold with a budget of `max_new` tokens: three
 /// copies of the request (the demo prompt, the submitted request, the engine's queue entry),
-/// each with its prompt of up to [`MAX_DEMO_PROMPT_TOKENS`] ids, and three copies of the
+/// each with its prompt of up to [`MAX_PROMPT_TOKENS`] ids, and three copies of the
 /// output (the engine's finished record, the collected events, the plain-decoding baseline),
 /// each with its vector and map entry; 256 bytes cover allocator rounding.
 pub fn request_host_bytes(max_new: usize) -> u64 {
-    let request =
-        (std::mem::size_of::<dflash_engine::Request>() + 4 * MAX_DEMO_PROMPT_TOKENS) as u64;
+    let request = (std::mem::size_of::<dflash_engine::Request>() + 4 * MAX_PROMPT_TOKENS) as u64;
     let output = 4 * max_new as u64 + 64;
     3 * request + 3 * output + 256
 }
@@ -197,7 +204,7 @@ pub fn request_host_bytes(max_new: usize) -> u64 {
 /// [`HOST_MEMORY_BUDGET`]. Both must be at least 1.
 pub fn check_run_size(prompts: usize, max_new: usize) -> Result<()> {
     let positions = target_geometry().max_positions;
-    let max = positions.saturating_sub(MAX_DEMO_PROMPT_TOKENS);
+    let max = positions.saturating_sub(MAX_PROMPT_TOKENS);
     if max_new == 0 || max_new > max {
         return Err(HarnessError::MaxNewTooLarge {
             found: max_new,
@@ -219,9 +226,15 @@ pub fn check_run_size(prompts: usize, max_new: usize) -> Result<()> {
     Ok(())
 }
 
-/// The synthetic draft spec matched to [`target_geometry`] for `backend`.
-pub fn draft_spec(backend: DraftBackend) -> TinySpec {
-    let g = target_geometry();
+/// The committed (trained) draft `config.json` of `backend`: the embedded default.
+pub fn default_draft_config(backend: DraftBackend) -> &'static str {
+    trained::draft_config(backend)
+}
+
+/// A synthetic draft spec of `backend` matched to [`TargetGeometry::tiny`] (captured blocks
+/// `[1, 4, 6]`, mask token 503), for random-weight fixtures (`cargo xtask fixtures`).
+pub fn tiny_draft_spec(backend: DraftBackend) -> TinySpec {
+    let g = TargetGeometry::tiny();
     let layers = match backend {
         DraftBackend::DFlash => vec![AttentionType::Sliding, AttentionType::Full],
         DraftBackend::DFlash2 => vec![AttentionType::Sliding, AttentionType::Sliding],
@@ -235,11 +248,11 @@ pub fn draft_spec(backend: DraftBackend) -> TinySpec {
         head_dim: 16,
         intermediate: 128,
         window: 8,
-        target_layer_ids: CAPTURE_IDS.to_vec(),
+        target_layer_ids: vec![1, 4, 6],
         target_layers: g.layers() as u32,
         vocab_rows: g.vocab_rows as u32,
         public_vocab: g.public_vocab as u32,
-        mask_token_id: MASK_TOKEN,
+        mask_token_id: 503,
         selector_rank: 16,
     }
 }
@@ -282,26 +295,43 @@ impl Drop for ScratchDir {
     }
 }
 
-/// The embedded default written to disk: the reference target and a synthetic draft
-/// checkpoint (the default draft of one backend, or any draft config that fits the target),
-/// in a scratch directory removed when the fixture is dropped. Everything a run needs can be
-/// loaded into memory first and the fixture dropped before the run.
+/// The embedded default written to disk: the trained target and a draft checkpoint (the
+/// trained draft of one backend, or synthetic random weights for any draft config that fits
+/// the target), in a scratch directory removed when the fixture is dropped. Everything a run
+/// needs can be loaded into memory first and the fixture dropped before the run.
 #[derive(Debug)]
 pub struct Fixture {
     dir: ScratchDir,
     backend: DraftBackend,
     capture_ids: Vec<u32>,
+    random: bool,
+}
+
+fn scratch_for(backend: DraftBackend) -> Result<ScratchDir> {
+    ScratchDir::new(match backend {
+        DraftBackend::DFlash => "dflash",
+        DraftBackend::DFlash2 => "dflash2",
+    })
 }
 
 impl Fixture {
-    /// Write the reference target and the default draft of `backend` ([`draft_spec`]).
+    /// Write the trained target and the trained draft of `backend` ([`default_draft_config`]).
     pub fn write(backend: DraftBackend) -> Result<Self> {
-        Self::write_config(&draft_spec(backend).draft_config_json())
+        let dir = scratch_for(backend)?;
+        trained::write_target(&dir.path().join("target"))?;
+        trained::write_draft(&dir.path().join("draft"), backend)?;
+        Ok(Fixture {
+            dir,
+            backend,
+            capture_ids: CAPTURE_IDS.to_vec(),
+            random: false,
+        })
     }
 
-    /// Write the reference target and a synthetic draft of the geometry `draft_config_json`
-    /// describes (validated against [`target_text_config`]; the config is written verbatim).
-    /// The target captures the draft's target block ids.
+    /// Write the trained target and a synthetic draft with random weights (seed
+    /// [`DRAFT_SEED`]) of the geometry `draft_config_json` describes (validated against
+    /// [`target_text_config`]; the config is written verbatim). The target captures the
+    /// draft's target block ids. A random draft accepts almost nothing: use it on purpose.
     pub fn write_config(draft_config_json: &str) -> Result<Self> {
         let (draft, _, _) = dflash_draft::parse_draft_config(
             Path::new("the draft config"),
@@ -310,11 +340,8 @@ impl Fixture {
             ParseMode::Lenient,
         )?;
         let backend = draft.backend;
-        let dir = ScratchDir::new(match backend {
-            DraftBackend::DFlash => "dflash",
-            DraftBackend::DFlash2 => "dflash2",
-        })?;
-        write_reference_target(&dir.path().join("target"), &target_geometry(), TARGET_SEED)?;
+        let dir = scratch_for(backend)?;
+        trained::write_target(&dir.path().join("target"))?;
         synthetic::write_checkpoint(
             &dir.path().join("draft"),
             draft_config_json,
@@ -326,7 +353,14 @@ impl Fixture {
             dir,
             backend,
             capture_ids: draft.target_layer_ids,
+            random: true,
         })
+    }
+
+    /// Whether the draft has synthetic random weights ([`Fixture::write_config`]) rather than
+    /// the trained ones.
+    pub fn random_draft(&self) -> bool {
+        self.random
     }
 
     /// The draft backend of the fixture.
@@ -415,16 +449,29 @@ impl Fixture {
     }
 }
 
-/// `count` demo prompts of 6 to 20 public tokens (below the EOS id), deterministic in `seed`.
+/// The built-in prompts (`data/prompts.txt`, one a line): docstring-like sentences written
+/// for this project, none of them in the training corpus (the training tool checks this).
+pub const PROMPTS_TEXT: &str = include_str!("../data/prompts.txt");
+
+/// The built-in prompt texts, in file order.
+pub fn prompt_texts() -> Vec<&'static str> {
+    PROMPTS_TEXT.lines().filter(|l| !l.is_empty()).collect()
+}
+
+/// `count` built-in prompts as token ids, deterministic in `seed`: the texts of
+/// [`prompt_texts`] in order starting at `seed % len`; after one pass every repeat is cut to a
+/// shorter prefix (at least 8 bytes), so that `count` may exceed the number of texts and still
+/// give distinct prompts.
 pub fn demo_prompts(count: usize, seed: u64) -> Vec<Vec<u32>> {
-    let g = target_geometry();
-    let mut rng = SplitMix64::new(seed ^ 0x005e_ed0f_d1a5);
+    let texts = prompt_texts();
+    let n = texts.len().max(1);
     (0..count)
-        .map(|_| {
-            let len = 6 + rng.below(15) as usize;
-            (0..len)
-                .map(|_| rng.below(g.eos_token_id as u64) as u32)
-                .collect()
+        .map(|i| {
+            let k = (seed as usize % n + i) % n;
+            let ids = encode(texts.get(k).copied().unwrap_or("Return the"));
+            let pass = i / n;
+            let keep = ids.len().saturating_sub(5 * pass).max(8).min(ids.len());
+            ids[..keep].to_vec()
         })
         .collect()
 }
@@ -514,19 +561,29 @@ mod tests {
     }
 
     #[test]
-    fn the_default_draft_fits_the_default_target() {
-        let spec = draft_spec(DraftBackend::DFlash2);
+    fn the_default_drafts_fit_the_default_target() {
+        for backend in [DraftBackend::DFlash, DraftBackend::DFlash2] {
+            let (draft, geo, _) = dflash_draft::parse_draft_config(
+                Path::new("default"),
+                default_draft_config(backend),
+                &target_text_config(),
+                ParseMode::Strict,
+            )
+            .expect("the committed draft config fits the target");
+            assert_eq!(draft.backend, backend);
+            assert_eq!(draft.target_layer_ids, CAPTURE_IDS.to_vec());
+            assert_eq!(geo.hidden as usize, target_geometry().hidden);
+        }
         let g = target_geometry();
-        assert_eq!(spec.hidden as usize, g.hidden);
-        assert_eq!(spec.vocab_rows as usize, g.vocab_rows);
+        let prompts = demo_prompts(40, 3);
         assert!(
-            spec.target_layer_ids
+            prompts
                 .iter()
-                .all(|&i| (i as usize) < g.layers())
+                .all(|p| (8..=MAX_PROMPT_TOKENS).contains(&p.len()))
         );
-        assert!((spec.mask_token_id as usize) < g.vocab_rows);
-        let prompts = demo_prompts(5, 1);
-        assert!(prompts.iter().all(|p| (6..=20).contains(&p.len())));
         assert!(prompts.iter().flatten().all(|&t| t < g.eos_token_id));
+        let distinct: std::collections::HashSet<_> = prompts.iter().collect();
+        assert_eq!(distinct.len(), prompts.len(), "repeats are cut shorter");
+        assert_eq!(decode(&demo_prompts(1, 0)[0]), prompt_texts()[0]);
     }
 }

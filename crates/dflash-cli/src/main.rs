@@ -1,22 +1,30 @@
 //! `dflash`: the README's main job — end-to-end speculative decoding on an embedded default.
 //!
-//! By default it writes a synthetic DFlash (or DFlash2) draft checkpoint matched to the
-//! reference hybrid target of `dflash-testkit` into a scratch directory, loads both, removes
-//! the scratch directory, decodes a few prompts with speculative decoding on the CPU, prints a
-//! per-round trace and a summary, and checks that the output equals plain greedy target
-//! decoding.
+//! By default it writes the trained pair of `dflash-testkit` (a small Qwen3.5-style hybrid
+//! target trained on real text and the DFlash or DFlash2 draft trained for it) into a scratch
+//! directory, loads both, removes the scratch directory, decodes the built-in prompts (text
+//! never used in training) or the `--prompt` texts with speculative decoding on the CPU,
+//! prints a per-round trace (with a one-line legend), every prompt and continuation as text,
+//! and a summary, times plain target decoding of the same requests, and checks at
+//! temperature 0 that the output equals plain greedy decoding.
 //!
-//! Flags: `--backend dflash|dflash2`, `--k N` (1..=15), `--b N` (1..=8), `--temperature T`
-//! (finite, >= 0; 0 greedy), `--seed S`, `--prompts N`, `--max-new N` (both bounded by the
-//! run's memory plan and the target's positions), `--device cpu|cuda` (cuda needs the `cuda`
-//! feature: the draft, context and verification run on the GPU, the target stays the CPU
-//! reference whose outputs are uploaded), `--oracle RHO` (replace the draft by the shadow
-//! oracle proposer: the target's own greedy tokens with probability RHO, random ones otherwise,
-//! to show long acceptances), `--draft-config FILE` (a draft config.json of any geometry that
-//! fits the reference target, instead of the embedded default's), `--mask-token-id N` (for a
-//! config whose mask token is null), `--strict` (refuse unknown config fields; by default they
-//! are printed as warnings), `--quiet` (no per-round trace), `--geometry` (print the bundled
+//! Flags: `--backend dflash|dflash2`, `--k N` (1..=15; the drafts were trained with 7),
+//! `--b N` (1..=8), `--temperature T` (finite, >= 0; 0 greedy), `--seed S`, `--prompts N`
+//! (built-in prompts; default 4, or none when `--prompt` is given), `--prompt TEXT`
+//! (repeatable), `--max-new N` (bounded by the run's memory plan and the target's positions),
+//! `--device cpu|cuda` (cuda needs the `cuda` feature: the draft, context and verification run
+//! on the GPU, the target stays the CPU reference whose outputs are uploaded), `--oracle RHO`
+//! (replace the draft by the shadow oracle proposer: the target's own greedy tokens with
+//! probability RHO, random ones otherwise), `--random-draft` (the default draft geometry with
+//! random weights, to see an untrained draft), `--draft-config FILE` (a draft config.json of
+//! any geometry that fits the target, with random weights), `--mask-token-id N` (for a config
+//! whose mask token is null), `--strict` (refuse unknown config fields; by default they are
+//! printed as warnings), `--quiet` (no per-round trace), `--geometry` (print the bundled
 //! official configs' geometry instead).
+//!
+//! The summary line keeps its fields (`mean accepted per row-round X`, `tokens per row-round
+//! Y`, ...) and appends the wall-time speedup against plain decoding, tokens per target verify
+//! and the commit-length histogram.
 //!
 //! Every flag, the draft config and the run's size are checked before anything is written or
 //! printed. Exit status: 0 success; 1 the run failed (a mismatch with plain decoding, a leak,
@@ -37,13 +45,14 @@ use anyhow::{Result, bail};
 use dflash_cli::args::{self, Args, Device, RunPlan};
 use dflash_cli::shadow::{ShadowProposer, Strategy};
 use dflash_cli::{
-    ENGINE_MEMORY_BUDGET, Fixture, HarnessError, demo_prompts, format_step, target_geometry,
+    ENGINE_MEMORY_BUDGET, Fixture, HarnessError, decode, format_step, target_geometry,
 };
 use dflash_engine::{
     Engine, EngineOptions, EngineStats, Event, FinishReason, Proposer, Request, RequestId,
     SamplingSettings, StopConditions, Target, plain_decode,
 };
 use dflash_ops::Backend;
+use dflash_testkit::trained::TRAINED_K;
 
 fn backend(device: Device) -> Result<Backend, HarnessError> {
     match device {
@@ -160,6 +169,11 @@ fn main() -> ExitCode {
     }
 }
 
+/// The one-line legend of the trace fields.
+const LEGEND: &str = "trace: r<id> F=<frontier: positions the target has processed; the anchor sits at F> \
+ctx=<draft context before the round: materialized+pending> P=<proposals verified> d=[<proposed ids>] \
+A=<accepted> L=<licensed outputs, A+1> N=<committed outputs> out=[<published ids>] (ids are bytes; 256 is EOS)";
+
 fn run(args: &Args, plan: &RunPlan, be: Backend) -> Result<()> {
     for w in plan.report.warnings() {
         eprintln!("warning: {w} (--strict refuses it)");
@@ -183,7 +197,11 @@ fn run(args: &Args, plan: &RunPlan, be: Backend) -> Result<()> {
     }
     // Write the checkpoints, load everything the run needs, and remove the scratch directory
     // before decoding starts.
-    let fixture = Fixture::write_config(&plan.draft_config_json)?;
+    let fixture = if plan.random_draft {
+        Fixture::write_config(&plan.draft_config_json)?
+    } else {
+        Fixture::write(draft_backend)?
+    };
     let target = fixture.target()?;
     let mut baseline_target = fixture.target()?;
     let model = fixture.draft(&be)?;
@@ -203,29 +221,54 @@ fn run(args: &Args, plan: &RunPlan, be: Backend) -> Result<()> {
     let parts = fixture.parts(&be)?;
     drop(fixture);
     println!(
-        "target: reference hybrid (H {}, {} blocks, vocab {} rows / {} public, EOS {}), on the CPU; \
-draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
+        "target: trained reference hybrid (H {}, {} blocks: 3 Gated DeltaNet + 1 gated attention, \
+byte vocabulary {} public ids in {} rows, EOS {}), on the CPU; draft: {} {:?} ({} layers, captured \
+blocks {:?}), on {}",
         g.hidden,
         g.layers(),
-        g.vocab_rows,
         g.public_vocab,
+        g.vocab_rows,
         g.eos_token_id,
+        if plan.random_draft {
+            "RANDOM-weight"
+        } else {
+            "trained"
+        },
         draft_backend,
         model.geometry().layers.len(),
         model.geometry().target_layer_ids,
         be.name()
     );
+    if plan.random_draft && args.oracle.is_none() {
+        println!(
+            "note: the draft has random weights on purpose ({}): it proposes noise, so almost \
+nothing is accepted and speculative decoding is slower than plain decoding; without that flag \
+the trained draft runs",
+            if args.draft_config.is_some() {
+                "--draft-config"
+            } else {
+                "--random-draft"
+            }
+        );
+    }
+    if !plan.random_draft && args.oracle.is_none() && args.k != TRAINED_K {
+        println!(
+            "note: the drafts were trained with K={TRAINED_K}; K={} runs them outside their training",
+            args.k
+        );
+    }
 
     let sampling = if args.temperature > 0.0 {
         SamplingSettings::sampling(args.temperature)
     } else {
         SamplingSettings::GREEDY
     };
-    let requests: Vec<Request> = demo_prompts(args.prompts, args.seed)
-        .into_iter()
+    let requests: Vec<Request> = plan
+        .prompts
+        .iter()
         .enumerate()
         .map(|(i, prompt)| Request {
-            prompt,
+            prompt: prompt.clone(),
             max_new_tokens: args.max_new,
             sampling,
             seed: args.seed.wrapping_add(i as u64),
@@ -249,7 +292,8 @@ draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
     };
 
     // The engine (its whole memory plan checked) first, then the baseline: plain target
-    // decoding on the CPU (greedy runs are checked against it).
+    // decoding on the CPU of the same requests and seeds (greedy runs are checked against it
+    // token for token; sampled runs are timed against it).
     enum Built<T: Target> {
         Oracle(Box<Engine<T, ShadowProposer>>),
         Draft(Box<Engine<T, dflash_engine::DraftProposer>>),
@@ -273,12 +317,13 @@ draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
     let greedy = sampling.temperature <= 0.0;
     let t0 = Instant::now();
     let mut expected = Vec::new();
-    if greedy {
-        for r in &requests {
-            expected.push(plain_decode(&mut baseline_target, &Backend::cpu(), r)?.tokens);
-        }
+    for r in &requests {
+        expected.push(plain_decode(&mut baseline_target, &Backend::cpu(), r)?.tokens);
     }
     let baseline_time = t0.elapsed();
+    if !args.quiet {
+        println!("{LEGEND}");
+    }
     let run = match &mut engine {
         Built::Oracle(e) => drive(e, &requests, args.quiet)?,
         Built::Draft(e) => drive(e, &requests, args.quiet)?,
@@ -304,24 +349,13 @@ draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
             requests[i].prompt.len(),
             out.len()
         );
+        println!("    prompt: {:?}", decode(&requests[i].prompt));
+        println!("    output: {:?}", decode(out));
     }
     let row_rounds = stats.row_rounds.max(1) as f64;
     let secs = spec_time.as_secs_f64();
-    println!(
-        "summary: {} requests, {} tokens, {} rounds ({} row-rounds), mean accepted per row-round {:.2} \
-({} of {} proposals), tokens per row-round {:.2}, time {:.3} s ({:.0} tokens/s); plain decoding {:.3} s",
-        ids.len(),
-        stats.tokens,
-        stats.rounds,
-        stats.row_rounds,
-        stats.accepted as f64 / row_rounds,
-        stats.accepted,
-        stats.proposed,
-        (stats.tokens as f64 - ids.len() as f64) / row_rounds,
-        secs,
-        stats.tokens as f64 / secs.max(1e-9),
-        baseline_time.as_secs_f64()
-    );
+    let base_secs = baseline_time.as_secs_f64();
+    let decoded = stats.tokens.saturating_sub(ids.len() as u64);
     let commits: Vec<String> = stats
         .commits
         .iter()
@@ -329,7 +363,34 @@ draft: synthetic {:?} ({} layers, captured blocks {:?}), on {}",
         .filter(|(_, c)| **c > 0)
         .map(|(n, c)| format!("N={n}: {c}"))
         .collect();
+    println!(
+        "summary: {} requests, {} tokens, {} rounds ({} row-rounds), mean accepted per row-round {:.2} \
+({} of {} proposals), tokens per row-round {:.2}, time {:.3} s ({:.0} tokens/s); plain decoding {:.3} s; \
+wall-time speedup {:.2}x; tokens per target verify {:.2} ({} verify row-rounds for {} decoded tokens, \
+plain decoding needs one target forward per token); commit lengths [{}]",
+        ids.len(),
+        stats.tokens,
+        stats.rounds,
+        stats.row_rounds,
+        stats.accepted as f64 / row_rounds,
+        stats.accepted,
+        stats.proposed,
+        decoded as f64 / row_rounds,
+        secs,
+        stats.tokens as f64 / secs.max(1e-9),
+        base_secs,
+        base_secs / secs.max(1e-9),
+        decoded as f64 / row_rounds,
+        stats.row_rounds,
+        decoded,
+        commits.join(", ")
+    );
     println!("commits: {}", commits.join(", "));
+    println!(
+        "note: wall time is the CPU reference target's: it computes a verify one column at a time, \
+so a verify of Q columns costs about Q plain decode steps and the draft adds its own work; on an \
+engine whose verify costs about one forward (a GPU), the gain is the tokens per target verify"
+    );
     if held_seqs != 0 || held_slots != 0 {
         bail!("leak: {held_seqs} sequences and {held_slots} draft slots still held");
     }

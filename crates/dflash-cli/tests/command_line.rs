@@ -46,7 +46,7 @@ fn leftover_scratch(dir: &Path) -> Vec<String> {
 
 /// The embedded default draft config of `backend`, edited by `edit`, written to `dir/name`.
 fn config_file(dir: &Path, name: &str, backend: DraftBackend, edit: fn(&mut Value)) -> String {
-    let mut v: Value = serde_json::from_str(&dflash_cli::draft_spec(backend).draft_config_json())
+    let mut v: Value = serde_json::from_str(dflash_cli::default_draft_config(backend))
         .expect("default config is JSON");
     edit(&mut v);
     std::fs::write(dir.join(name), v.to_string()).expect("write config");
@@ -86,7 +86,7 @@ fn bad_command_lines_and_files_are_refused_before_anything_is_written() {
     let null_mask = config_file(&dir, "nullmask.json", d, |v| {
         v["dflash_config"]["mask_token_id"] = Value::Null
     });
-    let wide = config_file(&dir, "wide.json", d, |v| v["hidden_size"] = json!(128));
+    let wide = config_file(&dir, "wide.json", d, |v| v["hidden_size"] = json!(256));
     let far = config_file(&dir, "far.json", d, |v| {
         v["dflash_config"]["target_layer_ids"] = json!([1, 9])
     });
@@ -140,16 +140,31 @@ fn bad_command_lines_and_files_are_refused_before_anything_is_written() {
             &["`--prompts`: expected 1..=", "found 0"],
         ),
         row(
+            &["--prompt", ""],
+            &[
+                "`--prompt`: expected a text of 1..=256 bytes",
+                "found 0 bytes",
+            ],
+        ),
+        row(
+            &["--prompt", &"x".repeat(257)],
+            &[
+                "`--prompt`: expected a text of 1..=256 bytes",
+                "found 257 bytes",
+            ],
+        ),
+        row(&["--prompt"], &["`--prompt`: expected a value"]),
+        row(
             &["--max-new", "5000"],
             &[
-                "`--max-new`: expected 1..=4076",
+                "`--max-new`: expected 1..=3840",
                 "4096 positions",
                 "found 5000",
             ],
         ),
         row(
             &["--max-new", "0"],
-            &["`--max-new`: expected 1..=4076", "found 0"],
+            &["`--max-new`: expected 1..=3840", "found 0"],
         ),
         row(
             &["--seed", "-1"],
@@ -189,7 +204,7 @@ fn bad_command_lines_and_files_are_refused_before_anything_is_written() {
         ),
         row(
             &["--mask-token-id", "7"],
-            &["`--mask-token-id` = 7 contradicts `dflash_config.mask_token_id` = 503"],
+            &["`--mask-token-id` = 7 contradicts `dflash_config.mask_token_id` = 300"],
         ),
         row(
             &["--draft-config", "missing.json"],
@@ -235,15 +250,15 @@ fn bad_command_lines_and_files_are_refused_before_anything_is_written() {
         ),
         row(
             &["--draft-config", &null_mask, "--mask-token-id", "600"],
-            &["`--mask-token-id`: expected a token id below 512"],
+            &["`--mask-token-id`: expected a token id below 320"],
         ),
         row(
             &["--draft-config", &wide],
-            &["wide.json: `hidden_size`: the draft says 128, the target says 64"],
+            &["wide.json: `hidden_size`: the draft says 256, the target says 128"],
         ),
         row(
             &["--draft-config", &far],
-            &["far.json: `dflash_config.target_layer_ids[1]`: expected a block id below 8"],
+            &["far.json: `dflash_config.target_layer_ids[1]`: expected a block id below 4"],
         ),
         row(
             &["--draft-config", &dflash2, "--backend", "dflash"],
@@ -319,7 +334,7 @@ fn unknown_fields_are_warned_about_and_a_null_mask_runs_with_the_flag() {
     );
     assert_eq!(leftover_scratch(&dir), Vec::<String>::new());
 
-    let out = run(&["--draft-config", &null_mask, "--mask-token-id", "503"]);
+    let out = run(&["--draft-config", &null_mask, "--mask-token-id", "300"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(
@@ -353,5 +368,76 @@ fn unknown_fields_are_warned_about_and_a_null_mask_runs_with_the_flag() {
         assert!(summary.contains(field), "{summary}");
     }
     assert_eq!(leftover_scratch(&dir), Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn prompts_and_continuations_are_text_and_the_summary_keeps_its_fields() {
+    let dir = temp_dir("prompt");
+    let out = dflash(
+        &dir,
+        &[
+            "--prompt",
+            "Return the number of",
+            "--prompt",
+            "Open the file and",
+            "--max-new",
+            "24",
+            "--b",
+            "2",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains("prompt: \"Return the number of\""),
+        "{stdout}"
+    );
+    assert!(stdout.contains("prompt: \"Open the file and\""), "{stdout}");
+    assert_eq!(stdout.matches("    output: \"").count(), 2, "{stdout}");
+    assert!(stdout.contains("summary: 2 requests"), "{stdout}");
+    assert!(stdout.contains("trace: r<id> F=<frontier"), "{stdout}");
+    let summary = stdout
+        .lines()
+        .find(|l| l.starts_with("summary: "))
+        .expect("summary line");
+    for field in [
+        "mean accepted per row-round ",
+        "tokens per row-round ",
+        "plain decoding ",
+        "wall-time speedup ",
+        "tokens per target verify ",
+        "commit lengths [N=",
+    ] {
+        assert!(summary.contains(field), "`{field}` in {summary}");
+    }
+    // The trained draft gets proposals accepted on these (held-out) prompts.
+    let mean: f64 = summary
+        .split("mean accepted per row-round ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|x| x.parse().ok())
+        .expect("a number");
+    assert!(mean >= 1.0, "{summary}");
+    assert!(!stdout.contains("random weights"), "{stdout}");
+
+    let out = dflash(
+        &dir,
+        &[
+            "--random-draft",
+            "--prompts",
+            "1",
+            "--max-new",
+            "4",
+            "--quiet",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains("note: the draft has random weights on purpose (--random-draft)"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("trace: r<id>"), "--quiet prints no legend");
     let _ = std::fs::remove_dir_all(&dir);
 }
