@@ -492,16 +492,18 @@ struct PhArgmax {
 #define PH_RUN_OPERANDS &tm_hidden, &tm_head
 #endif
 
-#define PH_ARGMAX_ENTRY(NT)                                                                     \
-    extern "C" __global__ void __launch_bounds__(PH_BLOCK_THREADS, 1) proposal_argmax_gemm_nt##NT( \
+// The fused GEMM entry `{op}_gemm_nt{NT}` with epilogue EPI (both head ops use this).
+#define PH_ENTRY(NAME, EPI, NT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(PH_BLOCK_THREADS, 1) NAME##_gemm_nt##NT(        \
         PH_OPERANDS, const int* token_ids, float* ws, int n, int rows, int H, int public_vocab) { \
         extern __shared__ __align__(16) unsigned char ph_smem[];                                \
         PhRows rw;                                                                               \
         rw.token_ids = token_ids;                                                                \
         rw.considered = public_vocab;                                                            \
-        PhArgmax<NT> epi(ph_smem + PhCfg<NT>::PIPE_BYTES, rw, ws, n);                            \
+        EPI<NT> epi(ph_smem + PhCfg<NT>::PIPE_BYTES, rw, ws, n);                                 \
         ph_run<NT>(PH_RUN_OPERANDS, n, rows, H, ph_smem, epi);                                   \
     }
+#define PH_ARGMAX_ENTRY(NT) PH_ENTRY(proposal_argmax, PhArgmax, NT)
 #ifndef PH_WGMMA
 PH_ARGMAX_ENTRY(1)
 PH_ARGMAX_ENTRY(2)

@@ -149,16 +149,7 @@ struct PhTopk {
     }
 };
 
-#define PH_TOPK_ENTRY(NT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(PH_BLOCK_THREADS, 1) unary_topk_gemm_nt##NT(   \
-        PH_OPERANDS, const int* token_ids, float* ws, int n, int rows, int H, int public_vocab) { \
-        extern __shared__ __align__(16) unsigned char ph_smem[];                                \
-        PhRows rw;                                                                               \
-        rw.token_ids = token_ids;                                                                \
-        rw.considered = public_vocab;                                                            \
-        PhTopk<NT> epi(ph_smem + PhCfg<NT>::PIPE_BYTES, rw, ws, n);                              \
-        ph_run<NT>(PH_RUN_OPERANDS, n, rows, H, ph_smem, epi);                                   \
-    }
+#define PH_TOPK_ENTRY(NT) PH_ENTRY(unary_topk, PhTopk, NT)
 #ifndef PH_WGMMA
 PH_TOPK_ENTRY(1)
 PH_TOPK_ENTRY(2)
