@@ -46,12 +46,14 @@ struct PhTopk {
         for (int c = threadIdx.x; c < NC; c += PH_THREADS) cnt[c] = 0;
     }
 
-    // One warp: merge the candidates of column c (lane k holds candidate k) into its list
-    // (lane j < 16 holds entry j) by rank: an element's new position is the number of
+    // One warp: merge the m candidates of column c (lane k < m holds candidate k) into its
+    // list (lane j < 16 holds entry j) by rank: an element's new position is the number of
     // elements of the union that beat it (the order is total and the ids are distinct, so the
     // ranks of the valid elements are distinct, and the empty entries (-inf, no id) follow
-    // them in order); those ranked below 16 are written to their slot. Every step is an
-    // independent shuffle and compare (no chain per candidate). Then empty the buffer.
+    // them in order); those ranked below 16 are written to their slot. One step per
+    // candidate k: broadcast it, count it against every list entry and candidate, and count
+    // the list entries that beat it with a ballot (no chain through the list). Then empty the
+    // buffer.
     __device__ __forceinline__ void insert(int c) {
         const int lane = threadIdx.x & 31;
         const int m = min(cnt[c], UT_CAP);
@@ -60,18 +62,13 @@ struct PhTopk {
         const float mv = lane < UT_K ? lv[c * UT_K + lane] : PH_NEG_INF;
         const int mi = lane < UT_K ? li[c * UT_K + lane] : PH_NO_ID;
         int rank_x = 0, rank_m = lane;
-#pragma unroll
-        for (int j = 0; j < UT_K; ++j) {
-            const float ov = __shfl_sync(0xffffffffu, mv, j);
-            const int oi = __shfl_sync(0xffffffffu, mi, j);
-            rank_x += ph_beats(ov, oi, x, xi) ? 1 : 0;
-        }
-#pragma unroll
-        for (int k = 0; k < UT_CAP; ++k) {
+        for (int k = 0; k < m; ++k) {  // m is warp-uniform
             const float ov = __shfl_sync(0xffffffffu, x, k);
             const int oi = __shfl_sync(0xffffffffu, xi, k);
-            rank_x += ph_beats(ov, oi, x, xi) ? 1 : 0;
             rank_m += ph_beats(ov, oi, mv, mi) ? 1 : 0;
+            rank_x += ph_beats(ov, oi, x, xi) ? 1 : 0;
+            const unsigned above = __ballot_sync(0xffffffffu, lane < UT_K && ph_beats(mv, mi, ov, oi));
+            if (lane == k) rank_x += __popc(above);
         }
         __syncwarp();  // every lane has read its entry before any slot is rewritten
         if (lane < UT_K && rank_m < UT_K) { lv[c * UT_K + rank_m] = mv; li[c * UT_K + rank_m] = mi; }

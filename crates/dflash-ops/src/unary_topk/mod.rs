@@ -35,9 +35,10 @@
 //! tile each thread tests its own logits against their column's threshold and appends only
 //! those that beat it to the column's candidate buffer (32 slots); one warp per column with
 //! candidates merges them into the list by rank (each element's new position is the number
-//! of elements of the union that beat it: independent shuffles and compares). A buffer that
-//! overflows (the first tiles of a block) repeats the pass over the logits not yet appended,
-//! against the raised thresholds, which is exact because thresholds only rise. Each block
+//! of elements of the union that beat it: per candidate one broadcast, compares and a ballot
+//! over the list, no chain through the list). A buffer that overflows (the first tiles of a
+//! block) repeats the pass over the logits not yet appended, against the raised thresholds,
+//! which is exact because thresholds only rise. Each block
 //! writes its list per column; the merge (one block per column) takes the top 16 of the
 //! P * 16 partials.
 

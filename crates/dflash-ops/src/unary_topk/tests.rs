@@ -332,8 +332,7 @@ proptest! {
 /// A model of the CUDA top-16 epilogue (`PhTopk` in kernels/unary_topk.cu), one column of
 /// one block: the running list, the threshold filter with a `UT_CAP`-slot candidate buffer
 /// that may overflow (appends in any order: the kernel's shared-memory atomics), the repeated
-/// passes, and the merge by rank exactly as the warp computes it (32 candidate lanes, the
-/// unused ones empty). Checked against a sort, so a wrong rank formula (ties, empty entries)
+/// passes, and the merge by rank exactly as the warp computes it. Checked against a sort, so a wrong rank formula (ties, empty entries)
 /// or a lost candidate after an overflow fails here without a GPU.
 mod epilogue_model {
     use proptest::prelude::*;
@@ -348,11 +347,23 @@ mod epilogue_model {
         a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
     }
 
-    /// `insert`: ranks over the union, then each element ranked below 16 is written to its
-    /// slot; asserts that every slot is written exactly once (what the kernel relies on).
+    /// `insert`: ranks over the union, counted as the warp does (per candidate k: against
+    /// every list entry and candidate, and a ballot of the list entries that beat it), then
+    /// each element ranked below 16 is written to its slot; asserts that every slot is
+    /// written exactly once (what the kernel relies on).
     fn merge_by_rank(list: &mut [Entry; K], cands: &[Entry]) {
         assert!(cands.len() <= CAP);
-        let lanes: Vec<Entry> = (0..CAP).map(|k| *cands.get(k).unwrap_or(&EMPTY)).collect();
+        let mut rank_m: Vec<usize> = (0..K).collect();
+        let mut rank_x = vec![0usize; cands.len()];
+        for (k, &o) in cands.iter().enumerate() {
+            for (j, &m) in list.iter().enumerate() {
+                rank_m[j] += usize::from(beats(o, m));
+            }
+            for (i, &x) in cands.iter().enumerate() {
+                rank_x[i] += usize::from(beats(o, x));
+            }
+            rank_x[k] += list.iter().filter(|&&m| beats(m, o)).count();
+        }
         let mut out = [None::<Entry>; K];
         let mut put = |rank: usize, e: Entry| {
             if rank < K {
@@ -361,12 +372,10 @@ mod epilogue_model {
             }
         };
         for (j, &m) in list.iter().enumerate() {
-            put(j + lanes.iter().filter(|&&o| beats(o, m)).count(), m);
+            put(rank_m[j], m);
         }
-        for &x in &lanes[..cands.len()] {
-            let rank = list.iter().filter(|&&o| beats(o, x)).count()
-                + lanes.iter().filter(|&&o| beats(o, x)).count();
-            put(rank, x);
+        for (i, &x) in cands.iter().enumerate() {
+            put(rank_x[i], x);
         }
         for (slot, e) in list.iter_mut().zip(out) {
             *slot = e.expect("every slot written");
