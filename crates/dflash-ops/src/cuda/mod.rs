@@ -121,6 +121,7 @@ impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
             .field("arch", &self.inner.arch)
+            .field("sm90a", &self.inner.sm90a)
             .finish()
     }
 }

@@ -215,6 +215,31 @@ pub(crate) fn choose_nt(
     Some(largest)
 }
 
+/// The driver and column tiling of a launch for `n` columns: the wgmma driver where
+/// [`choose_driver`] picks it and one of its tiles fits `limit` bytes of shared memory (a
+/// pipeline plus `epilogue_bytes(nt)`), else the portable one; `None` when not even the
+/// portable driver's smallest tile fits.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn plan_tiles(
+    n: usize,
+    sm90a: bool,
+    limit: usize,
+    epilogue_bytes: impl Fn(usize) -> usize,
+) -> Option<(Driver, usize)> {
+    let fit = |driver: Driver, choices: &[usize]| {
+        choose_nt(n, choices, limit, |nt| {
+            pipe_bytes(nt, driver) + epilogue_bytes(nt)
+        })
+        .map(|nt| (driver, nt))
+    };
+    if choose_driver(n, sm90a) == Driver::Wgmma
+        && let Some(plan) = fit(Driver::Wgmma, &WGMMA_NT_CHOICES)
+    {
+        return Some(plan);
+    }
+    fit(Driver::Portable, &NT_CHOICES)
+}
+
 /// What distinguishes the two head ops' fused GEMM kernels.
 #[cfg(feature = "cuda")]
 pub(crate) struct HeadKernels {
@@ -241,8 +266,7 @@ pub(crate) mod cuda {
     use half::bf16;
 
     use super::{
-        Driver, HeadKernels, MAX_PARTIAL_BLOCKS, NT_CHOICES, Params, WGMMA_NT_CHOICES,
-        choose_driver, choose_nt, pipe_bytes,
+        Driver, HeadKernels, MAX_PARTIAL_BLOCKS, NT_CHOICES, Params, pipe_bytes, plan_tiles,
     };
     use crate::cuda::{CudaBackend, SM90A, cuda_err};
     use crate::{Buffer, OpsError, Result};
@@ -327,20 +351,16 @@ pub(crate) mod cuda {
         p: &Params,
     ) -> Result<usize> {
         let op = k.op;
-        let driver = choose_driver(p.n, c.uses_sm90a());
-        let choices: &[usize] = match driver {
-            Driver::Portable => &NT_CHOICES,
-            Driver::Wgmma => &WGMMA_NT_CHOICES,
-        };
-        let smem = |nt: usize| pipe_bytes(nt, driver) + (k.epilogue_bytes)(nt);
         let limit = c.limits().smem_per_block_optin;
-        let nt = choose_nt(p.n, choices, limit, smem).ok_or_else(|| OpsError::Cuda {
-            context: format!("preparing {op}"),
-            message: format!(
-                "the smallest head tile needs {} bytes of shared memory; this device allows {limit}",
-                smem(choices[0])
-            ),
-        })?;
+        let (driver, nt) = plan_tiles(p.n, c.uses_sm90a(), limit, k.epilogue_bytes)
+            .ok_or_else(|| OpsError::Cuda {
+                context: format!("preparing {op}"),
+                message: format!(
+                    "the smallest head tile needs {} bytes of shared memory; this device allows {limit}",
+                    pipe_bytes(NT_CHOICES[0], Driver::Portable) + (k.epilogue_bytes)(NT_CHOICES[0])
+                ),
+            })?;
+        let smem = |nt: usize| pipe_bytes(nt, driver) + (k.epilogue_bytes)(nt);
         let idx = NT_CHOICES.iter().position(|&x| x == nt).unwrap_or(0);
         let name = k.names[idx];
         let bytes = smem(nt);
@@ -454,6 +474,26 @@ mod tests {
         assert_eq!(choose_nt(64, w, big, wb), Some(8));
         assert_eq!(choose_nt(65, w, big, wb), Some(16));
         assert_eq!(choose_nt(120, w, big, wb), Some(16));
+    }
+
+    #[test]
+    fn a_wgmma_tile_that_does_not_fit_falls_back_to_the_portable_driver() {
+        let epi = |nt: usize| 8 * nt * 16 * 8;
+        let big = 227 * 1024;
+        assert_eq!(plan_tiles(120, true, big, epi), Some((Driver::Wgmma, 16)));
+        assert_eq!(
+            plan_tiles(120, false, big, epi),
+            Some((Driver::Portable, 16))
+        );
+        assert_eq!(plan_tiles(7, true, big, epi), Some((Driver::Portable, 1)));
+        // Room for the portable 128-column tile but not for any wgmma tile.
+        let limit = pipe_bytes(16, Driver::Portable) + epi(16);
+        assert!(pipe_bytes(8, Driver::Wgmma) + epi(8) > limit);
+        assert_eq!(
+            plan_tiles(120, true, limit, epi),
+            Some((Driver::Portable, 16))
+        );
+        assert_eq!(plan_tiles(120, true, 1000, epi), None);
     }
 
     #[test]
