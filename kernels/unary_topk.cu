@@ -6,29 +6,54 @@
 // the partial layout) first and this file after it; only the epilogue and the merge differ.
 //
 // Epilogue. Each block keeps, per column, its running top-16 (sorted, best first) in shared
-// memory; the 16th entry is the column's threshold. After a tile every thread tests its own
-// accumulator elements against their column's threshold; only those that beat it (in the
-// total order) are appended to the column's candidate buffer (UT_CAP slots, a shared-memory
-// atomic per append), and one warp per column with candidates merges them into its list by
-// rank (see `insert`). When a buffer overflows (the first tiles of a
-// block, whose lists are still empty), the pass repeats over the elements not yet appended,
-// against the raised thresholds; an element that failed a threshold can never enter later
-// (thresholds only rise), so the final lists are exact. In the steady state a tile costs one
-// compare per logit and a few insertions per column.
+// memory; the 16th entry is the column's threshold. A column's 128 logits of a tile are held
+// by 32 threads ("holders": the lanes of its quad position in each of the 4 warps), 4 each.
+// After a tile, passes run until no holder has an unappended logit that beats its column's
+// threshold (in the total order):
+// - a holder first skips the column when the max of its 4 logits is below a threshold that
+//   is not -inf (one compare: the steady state);
+// - otherwise it appends its best not-yet-appended logit that beats the threshold to the
+//   column's candidate buffer (a shared-memory atomic slot), and asks for another pass if a
+//   second one beats it too. So a pass appends at most 32 candidates per column (the buffer
+//   never overflows) and the best ones first, which raises the thresholds fast on a block's
+//   first tile, whose lists start empty;
+// - the candidates are merged into the list: for 64 columns and more by the column's own
+//   thread (the list in registers, one compare-and-shift insertion per candidate: all
+//   columns at once, no shuffles); for fewer columns by one warp per column, by rank (an
+//   element's new position is the number of elements of the union that beat it: per
+//   candidate one broadcast, compares and a ballot).
+// An element that failed a threshold can never enter later (thresholds only rise), so the
+// final lists are exact. Shared arrays are column-minor ([slot][NC]).
 // Merge: one block per column takes the top-16 of the P * 16 partial candidates (a sorted
 // list per thread, then 16 rounds of a block-wide argmax over the list heads).
 
 #define UT_K 16
-#define UT_CAP 32  // candidate slots per column and pass (one per lane of the inserting warp)
+#define UT_CAP 32  // candidate slots per column and pass: one per holder
+#define UT_THREAD_MERGE_NC 64  // columns from which each column's thread merges its own list
+
+// Insert (v, id) into the sorted (best first) register list if it beats the last entry.
+__device__ __forceinline__ void ut_push(float (&lv)[UT_K], int (&li)[UT_K], float v, int id) {
+    if (!ph_beats(v, id, lv[UT_K - 1], li[UT_K - 1])) return;
+#pragma unroll
+    for (int j = UT_K - 1; j > 0; --j) {
+        // lv[j - 1] and lv[j] still hold their old values here (descending j).
+        const bool above_prev = ph_beats(v, id, lv[j - 1], li[j - 1]);
+        const bool above_cur = ph_beats(v, id, lv[j], li[j]);
+        if (above_prev) { lv[j] = lv[j - 1]; li[j] = li[j - 1]; }
+        else if (above_cur) { lv[j] = v; li[j] = id; }
+    }
+    if (ph_beats(v, id, lv[0], li[0])) { lv[0] = v; li[0] = id; }
+}
 
 template <int NT>
 struct PhTopk {
     static constexpr int NC = 8 * NT;
+    static_assert(NC <= PH_THREADS, "one merging thread per column");
     static constexpr int SMEM_BYTES = NC * UT_K * 8 + NC * 4 + NC * UT_CAP * 8;  // mirrored by the launcher
-    float* lv;   // [NC][UT_K] running lists, best first
+    float* lv;   // [UT_K][NC] running lists, best first
     int* li;
     int* cnt;    // [NC] candidates appended this pass (may exceed UT_CAP: overflow)
-    float* cv;   // [NC][UT_CAP]
+    float* cv;   // [UT_CAP][NC]
     int* ci;
     PhRows rw;
     float* ws;
@@ -46,6 +71,24 @@ struct PhTopk {
         for (int c = threadIdx.x; c < NC; c += PH_THREADS) cnt[c] = 0;
     }
 
+    // Thread c: push column c's buffered candidates into its list (their order does not
+    // matter: the result is the top-16 of the union, and the order is total), then empty the
+    // buffer.
+    __device__ __forceinline__ void insert_own() {
+        const int c = threadIdx.x;
+        if (c >= NC) return;
+        const int m = min(cnt[c], UT_CAP);
+        if (m == 0) return;
+        float v[UT_K];
+        int id[UT_K];
+#pragma unroll
+        for (int j = 0; j < UT_K; ++j) { v[j] = lv[j * NC + c]; id[j] = li[j * NC + c]; }
+        for (int k = 0; k < m; ++k) ut_push(v, id, cv[k * NC + c], ci[k * NC + c]);
+#pragma unroll
+        for (int j = 0; j < UT_K; ++j) { lv[j * NC + c] = v[j]; li[j * NC + c] = id[j]; }
+        cnt[c] = 0;
+    }
+
     // One warp: merge the m candidates of column c (lane k < m holds candidate k) into its
     // list (lane j < 16 holds entry j) by rank: an element's new position is the number of
     // elements of the union that beat it (the order is total and the ids are distinct, so the
@@ -54,13 +97,13 @@ struct PhTopk {
     // candidate k: broadcast it, count it against every list entry and candidate, and count
     // the list entries that beat it with a ballot (no chain through the list). Then empty the
     // buffer.
-    __device__ __forceinline__ void insert(int c) {
+    __device__ __forceinline__ void insert_warp(int c) {
         const int lane = threadIdx.x & 31;
         const int m = min(cnt[c], UT_CAP);
-        const float x = lane < m ? cv[c * UT_CAP + lane] : PH_NEG_INF;
-        const int xi = lane < m ? ci[c * UT_CAP + lane] : PH_NO_ID;
-        const float mv = lane < UT_K ? lv[c * UT_K + lane] : PH_NEG_INF;
-        const int mi = lane < UT_K ? li[c * UT_K + lane] : PH_NO_ID;
+        const float x = lane < m ? cv[lane * NC + c] : PH_NEG_INF;
+        const int xi = lane < m ? ci[lane * NC + c] : PH_NO_ID;
+        const float mv = lane < UT_K ? lv[lane * NC + c] : PH_NEG_INF;
+        const int mi = lane < UT_K ? li[lane * NC + c] : PH_NO_ID;
         int rank_x = 0, rank_m = lane;
         for (int k = 0; k < m; ++k) {  // m is warp-uniform
             const float ov = __shfl_sync(0xffffffffu, x, k);
@@ -71,65 +114,72 @@ struct PhTopk {
             if (lane == k) rank_x += __popc(above);
         }
         __syncwarp();  // every lane has read its entry before any slot is rewritten
-        if (lane < UT_K && rank_m < UT_K) { lv[c * UT_K + rank_m] = mv; li[c * UT_K + rank_m] = mi; }
-        if (lane < m && rank_x < UT_K) { lv[c * UT_K + rank_x] = x; li[c * UT_K + rank_x] = xi; }
+        if (lane < UT_K && rank_m < UT_K) { lv[rank_m * NC + c] = mv; li[rank_m * NC + c] = mi; }
+        if (lane < m && rank_x < UT_K) { lv[rank_x * NC + c] = x; li[rank_x * NC + c] = xi; }
         __syncwarp();
         if (lane == 0) cnt[c] = 0;
     }
 
     __device__ __forceinline__ void tile(const float (&acc)[2][NT][4], long long r0, long long row_end) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        int ids[2][2];
+        // Element k = 2 * mt + h of a column: row ph_row(r0, mt, h), logit acc[mt][nt][2h + e].
+        int ids[4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) ids[mt][h] = rw.id(ph_row(r0, mt, h), row_end);
-        // Bit (nt, e, mt, h) = 8 * nt + 4 * e + 2 * mt + h: appended already (or not a candidate).
+        for (int k = 0; k < 4; ++k) ids[k] = rw.id(ph_row(r0, k >> 1, k & 1), row_end);
+        // Bit 4 * (2 * nt + e) + k (of word nt / 4): appended already (or not a candidate).
         unsigned done[(NT + 3) / 4];
+        unsigned none = 0u;
 #pragma unroll
-        for (int w = 0; w < (NT + 3) / 4; ++w) done[w] = 0u;
+        for (int k = 0; k < 4; ++k) none |= ids[k] == PH_NO_ID ? 1u << k : 0u;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        if (ids[mt][h] == PH_NO_ID) done[nt >> 2] |= 1u << ((nt & 3) * 8 + 4 * e + 2 * mt + h);
+        for (int w = 0; w < (NT + 3) / 4; ++w) done[w] = none * 0x11111111u;
         for (;;) {
-            int over = 0;
+            int more = 0;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int c = nt * 8 + 2 * (lane & 3) + e;
-                    const float tv = lv[c * UT_K + UT_K - 1];
-                    const int ti = li[c * UT_K + UT_K - 1];
+                    const int sh = 4 * (2 * (nt & 3) + e);
+                    const float tv = lv[(UT_K - 1) * NC + c];
+                    float x[4];
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
+                    for (int k = 0; k < 4; ++k) x[k] = acc[k >> 1][nt][2 * (k & 1) + e];
+                    // Nothing here can beat a full list's 16th entry (fmaxf ignores NaN, which
+                    // ranks as -inf and so cannot either).
+                    const float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+                    if (tv != PH_NEG_INF && !(mx >= tv)) continue;
+                    const int ti = li[(UT_K - 1) * NC + c];
+                    const unsigned d = done[nt >> 2] >> sh;
+                    int best = -1, passing = 0;
+                    float bv = PH_NEG_INF;
+                    int bi = PH_NO_ID;
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const unsigned bit = 1u << ((nt & 3) * 8 + 4 * e + 2 * mt + h);
-                            if (done[nt >> 2] & bit) continue;
-                            float x = acc[mt][nt][2 * h + e];
-                            if (x != x) x = PH_NEG_INF;  // NaN ranks as -inf
-                            const int xi = ids[mt][h];
-                            if (!ph_beats(x, xi, tv, ti)) continue;
-                            const int slot = atomicAdd(&cnt[c], 1);
-                            if (slot < UT_CAP) {
-                                cv[c * UT_CAP + slot] = x;
-                                ci[c * UT_CAP + slot] = xi;
-                                done[nt >> 2] |= bit;
-                            } else {
-                                over = 1;
-                            }
-                        }
+                    for (int k = 0; k < 4; ++k) {
+                        float v = x[k];
+                        if (v != v) v = PH_NEG_INF;  // NaN ranks as -inf
+                        if ((d >> k) & 1u || !ph_beats(v, ids[k], tv, ti)) continue;
+                        ++passing;
+                        if (best < 0 || ph_beats(v, ids[k], bv, bi)) { best = k; bv = v; bi = ids[k]; }
+                    }
+                    if (best < 0) continue;
+                    const int slot = atomicAdd(&cnt[c], 1);  // < UT_CAP: one append per holder
+                    if (slot < UT_CAP) {
+                        cv[slot * NC + c] = bv;
+                        ci[slot * NC + c] = bi;
+                        done[nt >> 2] |= 1u << (sh + best);
+                        --passing;
+                    }
+                    more |= passing;
                 }
             PH_SYNC();
-            for (int c = warp; c < NC; c += PH_WARPS)
-                if (cnt[c] > 0) insert(c);
-            if (!PH_SYNC_OR(over)) break;
+            if (NC >= UT_THREAD_MERGE_NC) {
+                insert_own();
+            } else {
+                for (int c = warp; c < NC; c += PH_WARPS)
+                    if (cnt[c] > 0) insert_warp(c);
+            }
+            if (!PH_SYNC_OR(more)) break;
         }
     }
 
@@ -140,8 +190,8 @@ struct PhTopk {
             const long long col = (long long)blockIdx.y * NC + c;
             if (col >= n) continue;
             float* o = ws + ((col * P + blockIdx.x) * UT_K + j) * 2;
-            o[0] = lv[e];
-            o[1] = __int_as_float(li[e]);
+            o[0] = lv[j * NC + c];
+            o[1] = __int_as_float(li[j * NC + c]);
         }
     }
 };
@@ -157,20 +207,6 @@ PH_TOPK_ENTRY(16)
 
 #define UT_MERGE_THREADS 256
 #define UT_MERGE_WARPS (UT_MERGE_THREADS / 32)
-
-// Insert (v, id) into the sorted (best first) register list if it beats the last entry.
-__device__ __forceinline__ void ut_push(float (&lv)[UT_K], int (&li)[UT_K], float v, int id) {
-    if (!ph_beats(v, id, lv[UT_K - 1], li[UT_K - 1])) return;
-#pragma unroll
-    for (int j = UT_K - 1; j > 0; --j) {
-        // lv[j - 1] and lv[j] still hold their old values here (descending j).
-        const bool above_prev = ph_beats(v, id, lv[j - 1], li[j - 1]);
-        const bool above_cur = ph_beats(v, id, lv[j], li[j]);
-        if (above_prev) { lv[j] = lv[j - 1]; li[j] = li[j - 1]; }
-        else if (above_cur) { lv[j] = v; li[j] = id; }
-    }
-    if (ph_beats(v, id, lv[0], li[0])) { lv[0] = v; li[0] = id; }
-}
 
 __device__ __forceinline__ void ut_warp_best(float& bv, int& bid, int& bt) {
 #pragma unroll

@@ -33,11 +33,11 @@
 //! GEMM drivers, portable and sm_90a, it shares). Each GEMM block keeps a running top-16 per
 //! column in shared memory, whose 16th entry is the column's threshold. After every 128-row
 //! tile each thread tests its own logits against their column's threshold and appends only
-//! those that beat it to the column's candidate buffer (32 slots); one warp per column with
-//! candidates merges them into the list by rank (each element's new position is the number
-//! of elements of the union that beat it: per candidate one broadcast, compares and a ballot
-//! over the list, no chain through the list). A buffer that overflows (the first tiles of a
-//! block) repeats the pass over the logits not yet appended, against the raised thresholds,
+//! those that beat it to the column's candidate buffer (32 slots); then the thread of each
+//! column (one per column, all columns at once) pushes the column's candidates into its list
+//! held in registers, one compare-and-shift insertion each, and writes the list back. A
+//! buffer that overflows (the first tiles of a block) repeats the pass over the logits not yet
+//! appended, against the raised thresholds,
 //! which is exact because thresholds only rise. Each block
 //! writes its list per column; the merge (one block per column) takes the top 16 of the
 //! P * 16 partials.

@@ -330,15 +330,20 @@ proptest! {
 }
 
 /// A model of the CUDA top-16 epilogue (`PhTopk` in kernels/unary_topk.cu), one column of
-/// one block: the running list, the threshold filter with a `UT_CAP`-slot candidate buffer
-/// that may overflow (appends in any order: the kernel's shared-memory atomics), the repeated
-/// passes, and the merge by rank exactly as the warp computes it. Checked against a sort, so a wrong rank formula (ties, empty entries)
-/// or a lost candidate after an overflow fails here without a GPU.
+/// one block: the running list; per tile, 32 holders of 4 logits each; passes in which every
+/// holder first skips the column when its max is below a full list's threshold, else appends
+/// its best unappended logit that beats the threshold (in any holder order: the kernel's
+/// shared-memory atomics) and asks for another pass if a second one does; both merges of the
+/// candidates into the list exactly as the kernel runs them (the column's thread pushing each
+/// candidate, or a warp ranking the union). Checked against a sort, so a wrong insertion step,
+/// a wrong rank (ties, empty entries), a lost second candidate of a holder or a wrong skip
+/// fails here without a GPU.
 mod epilogue_model {
     use proptest::prelude::*;
 
     const K: usize = 16;
     const CAP: usize = 32;
+    const HOLDERS: usize = 32;
     const NO_ID: i32 = i32::MAX;
     type Entry = (f32, i32);
     const EMPTY: Entry = (f32::NEG_INFINITY, NO_ID);
@@ -347,70 +352,117 @@ mod epilogue_model {
         a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
     }
 
-    /// `insert`: ranks over the union, counted as the warp does (per candidate k: against
-    /// every list entry and candidate, and a ballot of the list entries that beat it), then
-    /// each element ranked below 16 is written to its slot; asserts that every slot is
-    /// written exactly once (what the kernel relies on).
-    fn merge_by_rank(list: &mut [Entry; K], cands: &[Entry]) {
-        assert!(cands.len() <= CAP);
-        let mut rank_m: Vec<usize> = (0..K).collect();
-        let mut rank_x = vec![0usize; cands.len()];
-        for (k, &o) in cands.iter().enumerate() {
-            for (j, &m) in list.iter().enumerate() {
-                rank_m[j] += usize::from(beats(o, m));
-            }
-            for (i, &x) in cands.iter().enumerate() {
-                rank_x[i] += usize::from(beats(o, x));
-            }
-            rank_x[k] += list.iter().filter(|&&m| beats(m, o)).count();
+    /// `ut_push` exactly as the kernel runs it: skip unless `x` beats the last entry, then one
+    /// compare-and-shift step per slot from the end (both compares against the old values).
+    fn push(list: &mut [Entry; K], x: Entry) {
+        if !beats(x, list[K - 1]) {
+            return;
         }
-        let mut out = [None::<Entry>; K];
-        let mut put = |rank: usize, e: Entry| {
-            if rank < K {
-                assert!(out[rank].is_none(), "slot {rank} written twice");
-                out[rank] = Some(e);
+        for j in (1..K).rev() {
+            let above_prev = beats(x, list[j - 1]);
+            let above_cur = beats(x, list[j]);
+            if above_prev {
+                list[j] = list[j - 1];
+            } else if above_cur {
+                list[j] = x;
             }
-        };
-        for (j, &m) in list.iter().enumerate() {
-            put(rank_m[j], m);
         }
-        for (i, &x) in cands.iter().enumerate() {
-            put(rank_x[i], x);
-        }
-        for (slot, e) in list.iter_mut().zip(out) {
-            *slot = e.expect("every slot written");
+        if beats(x, list[0]) {
+            list[0] = x;
         }
     }
 
-    /// `tile`: passes over the tile's (logit, id) elements (id NO_ID: not a candidate; NaN
-    /// ranks as -inf) until no buffer overflows; `order(pass)` permutes the appends.
-    fn tile(list: &mut [Entry; K], elems: &[Entry], mut order: impl FnMut(usize) -> Vec<usize>) {
-        let mut done: Vec<bool> = elems.iter().map(|e| e.1 == NO_ID).collect();
+    /// The two merges of a pass's candidates into the list.
+    #[derive(Clone, Copy, Debug)]
+    enum Merge {
+        /// `insert_own`: the column's thread pushes the candidates in buffer order.
+        Thread,
+        /// `insert_warp`: ranks over the union, counted as the warp does (per candidate k:
+        /// against every list entry and candidate, and a ballot of the list entries that beat
+        /// it); each element ranked below 16 is written to its slot, every slot exactly once.
+        Warp,
+    }
+
+    fn merge(list: &mut [Entry; K], cands: &[Entry], how: Merge) {
+        assert!(cands.len() <= CAP, "a pass appends at most one candidate per holder");
+        match how {
+            Merge::Thread => cands.iter().for_each(|&x| push(list, x)),
+            Merge::Warp => {
+                let mut rank_m: Vec<usize> = (0..K).collect();
+                let mut rank_x = vec![0usize; cands.len()];
+                for (k, &o) in cands.iter().enumerate() {
+                    for (j, &m) in list.iter().enumerate() {
+                        rank_m[j] += usize::from(beats(o, m));
+                    }
+                    for (i, &x) in cands.iter().enumerate() {
+                        rank_x[i] += usize::from(beats(o, x));
+                    }
+                    rank_x[k] += list.iter().filter(|&&m| beats(m, o)).count();
+                }
+                let mut out = [None::<Entry>; K];
+                let mut put = |rank: usize, e: Entry| {
+                    if rank < K {
+                        assert!(out[rank].is_none(), "slot {rank} written twice");
+                        out[rank] = Some(e);
+                    }
+                };
+                for (j, &m) in list.iter().enumerate() {
+                    put(rank_m[j], m);
+                }
+                for (i, &x) in cands.iter().enumerate() {
+                    put(rank_x[i], x);
+                }
+                for (slot, e) in list.iter_mut().zip(out) {
+                    *slot = e.expect("every slot written");
+                }
+            }
+        }
+    }
+
+    /// `tile`: `holders[h]` are the 4 (logit, id) elements of holder h (id NO_ID: not a
+    /// candidate; NaN ranks as -inf); `order(pass)` permutes the holders' appends.
+    fn tile(
+        list: &mut [Entry; K],
+        holders: &[[Entry; 4]],
+        how: Merge,
+        mut order: impl FnMut(usize) -> Vec<usize>,
+    ) {
+        let mut done: Vec<[bool; 4]> = holders.iter().map(|h| h.map(|e| e.1 == NO_ID)).collect();
         for pass in 0.. {
-            assert!(pass <= elems.len(), "the passes must terminate");
+            assert!(pass <= 4, "a holder appends one element per pass: at most 4 passes");
             let threshold = list[K - 1];
             let mut buf = Vec::new();
-            let mut over = false;
-            for i in order(pass) {
-                if done[i] {
+            let mut more = false;
+            for h in order(pass) {
+                let x = holders[h];
+                // fmaxf: NaN ignored (the max of four NaN is NaN, and fails the compare).
+                let mx = x.iter().map(|e| e.0).fold(f32::NAN, f32::max);
+                if threshold.0 != f32::NEG_INFINITY && !(mx >= threshold.0) {
                     continue;
                 }
-                let (v, id) = elems[i];
-                let x = (if v.is_nan() { f32::NEG_INFINITY } else { v }, id);
-                if !beats(x, threshold) {
-                    continue;
+                let mut best: Option<(usize, Entry)> = None;
+                let mut passing = 0;
+                for k in 0..4 {
+                    let e = (if x[k].0.is_nan() { f32::NEG_INFINITY } else { x[k].0 }, x[k].1);
+                    if done[h][k] || !beats(e, threshold) {
+                        continue;
+                    }
+                    passing += 1;
+                    if best.is_none_or(|(_, b)| beats(e, b)) {
+                        best = Some((k, e));
+                    }
                 }
-                if buf.len() < CAP {
-                    buf.push(x);
-                    done[i] = true;
-                } else {
-                    over = true;
+                if let Some((k, e)) = best {
+                    buf.push(e);
+                    done[h][k] = true;
+                    passing -= 1;
                 }
+                more |= passing > 0;
             }
             if !buf.is_empty() {
-                merge_by_rank(list, &buf);
+                merge(list, &buf, how);
             }
-            if !over {
+            if !more {
                 break;
             }
         }
@@ -428,59 +480,121 @@ mod epilogue_model {
         v
     }
 
+    fn shuffled(n: usize, next: &mut impl FnMut() -> u64) -> Vec<usize> {
+        let mut p: Vec<usize> = (0..n).collect();
+        for k in (1..n).rev() {
+            p.swap(k, (next() % (k as u64 + 1)) as usize);
+        }
+        p
+    }
+
     proptest! {
         #[test]
-        fn threshold_filter_and_rank_merge_give_the_exact_top16(
+        fn threshold_filter_and_insertion_give_the_exact_top16(
             tiles in 1usize..6,
             // Few distinct values: many exact ties among and around the 16th entry.
             levels in prop::collection::vec(0u8..6, 128 * 5),
             holes in prop::collection::vec(0u8..16, 128 * 5),
             seed in any::<u64>(),
         ) {
-            let mut rng = seed | 1;
-            let mut next = move || {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                rng
-            };
-            let mut list = [EMPTY; K];
-            let mut all = Vec::new();
-            for t in 0..tiles {
-                let elems: Vec<Entry> = (0..128)
-                    .map(|r| {
-                        let i = t * 128 + r;
-                        let v = match levels[i] {
-                            5 => f32::NAN,
-                            l => f32::from(l) * 0.5,
-                        };
-                        // Ids ascend with the row (the kernel's rows), some rows no candidate.
-                        (v, if holes[i] == 0 { NO_ID } else { i as i32 })
-                    })
-                    .collect();
-                tile(&mut list, &elems, |_| {
-                    let mut p: Vec<usize> = (0..128).collect();
-                    for k in (1..p.len()).rev() {
-                        p.swap(k, (next() % (k as u64 + 1)) as usize);
-                    }
-                    p
-                });
-                all.extend_from_slice(&elems);
+            for how in [Merge::Thread, Merge::Warp] {
+                let mut rng = seed | 1;
+                let mut next = move || {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng
+                };
+                let mut list = [EMPTY; K];
+                let mut all = Vec::new();
+                for t in 0..tiles {
+                    let elems: Vec<Entry> = (0..128)
+                        .map(|r| {
+                            let i = t * 128 + r;
+                            let v = match levels[i] {
+                                5 => f32::NAN,
+                                l => f32::from(l) * 0.5,
+                            };
+                            // Ids ascend with the row (the kernel's rows), some rows no candidate.
+                            (v, if holes[i] == 0 { NO_ID } else { i as i32 })
+                        })
+                        .collect();
+                    // Any partition of the tile's rows into holders (the kernel's is fixed).
+                    let p = shuffled(128, &mut next);
+                    let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+                        .map(|h| std::array::from_fn(|k| elems[p[4 * h + k]]))
+                        .collect();
+                    tile(&mut list, &holders, how, |_| shuffled(HOLDERS, &mut next));
+                    all.extend_from_slice(&elems);
+                }
+                prop_assert_eq!(list.to_vec(), reference(&all), "merge {:?}", how);
             }
-            prop_assert_eq!(list.to_vec(), reference(&all));
         }
     }
 
     #[test]
     fn fewer_candidates_than_sixteen_leave_empty_entries_last() {
-        let mut list = [EMPTY; K];
-        let elems: Vec<Entry> = (0..128)
-            .map(|r| if r % 20 == 3 { (1.0, r) } else { (9.0, NO_ID) })
-            .collect();
-        tile(&mut list, &elems, |_| (0..128).rev().collect());
-        let got: Vec<i32> = list.iter().map(|e| e.1).collect();
-        let mut want = vec![3, 23, 43, 63, 83, 103, 123];
-        want.resize(K, NO_ID);
-        assert_eq!(got, want);
+        for how in [Merge::Thread, Merge::Warp] {
+            let mut list = [EMPTY; K];
+            let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+                .map(|h| {
+                    std::array::from_fn(|k| {
+                        let r = (4 * h + k) as i32;
+                        if r % 20 == 3 { (1.0, r) } else { (9.0, NO_ID) }
+                    })
+                })
+                .collect();
+            tile(&mut list, &holders, how, |_| (0..HOLDERS).rev().collect());
+            let got: Vec<i32> = list.iter().map(|e| e.1).collect();
+            let mut want = vec![3, 23, 43, 63, 83, 103, 123];
+            want.resize(K, NO_ID);
+            assert_eq!(got, want, "merge {how:?}");
+        }
+    }
+
+    #[test]
+    fn nan_logits_enter_a_list_that_is_not_full_as_minus_infinity() {
+        // Holder 0's four logits are NaN (max NaN: the skip must not apply while the list
+        // still has empty entries); holder 1 has four real ones; the rest are no candidates.
+        for how in [Merge::Thread, Merge::Warp] {
+            let mut list = [EMPTY; K];
+            let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+                .map(|h| {
+                    std::array::from_fn(|k| {
+                        let r = (4 * h + k) as i32;
+                        match h {
+                            0 => (f32::NAN, r),
+                            1 => (1.0, r),
+                            _ => (5.0, NO_ID),
+                        }
+                    })
+                })
+                .collect();
+            tile(&mut list, &holders, how, |_| (0..HOLDERS).collect());
+            let got: Vec<i32> = list.iter().map(|e| e.1).collect();
+            let mut want = vec![4, 5, 6, 7, 0, 1, 2, 3];
+            want.resize(K, NO_ID);
+            assert_eq!(got, want, "merge {how:?}");
+            assert!(list[4..8].iter().all(|e| e.0 == f32::NEG_INFINITY));
+        }
+    }
+
+    #[test]
+    fn a_holder_with_several_winners_gets_them_all_in_later_passes() {
+        // Holder 0 holds the four best logits; every other holder holds worse ones. The first
+        // pass appends one of holder 0's (its best), so the rest must come in passes 2..4.
+        for how in [Merge::Thread, Merge::Warp] {
+            let mut list = [EMPTY; K];
+            let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+                .map(|h| std::array::from_fn(|k| {
+                    let r = (4 * h + k) as i32;
+                    (if h == 0 { 100.0 + k as f32 } else { 1.0 }, r)
+                }))
+                .collect();
+            tile(&mut list, &holders, how, |_| (0..HOLDERS).collect());
+            let got: Vec<i32> = list.iter().map(|e| e.1).collect();
+            assert_eq!(&got[..4], &[3, 2, 1, 0], "merge {how:?}");
+            assert_eq!(&got[4..], &(4..16).collect::<Vec<i32>>()[..], "merge {how:?}");
+        }
     }
 }
