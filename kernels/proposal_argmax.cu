@@ -15,37 +15,49 @@
 // cores (BF16 in, FP32 accumulate; the head rows are the M side, the columns the N side).
 // - Portable driver: a PH_STAGES-deep cp.async pipeline that runs across tile boundaries,
 //   mma.m16n8k16 with each warp owning 32 rows of the tile (two m16 tiles).
-// - sm_90a driver: a TMA producer warp and mbarriers (see its comment), two m64nNCk16 wgmma
-//   chains per tile with warp w of the warpgroup owning rows 16w.. of each 64-row half.
-// After a tile's last chunk the epilogue folds its 128 x NC logits into the block's running
-// per-column result in shared memory (they never leave the chip); at the end each block
-// writes its partial per column, and a merge kernel reduces the blocks' partials. Order
+// - sm_90a driver: a TMA producer warpgroup and mbarriers, two consumer warpgroups taking the
+//   tiles in turn (see its comment), two m64nNCk16 wgmma chains per tile with warp w of a
+//   warpgroup owning rows 16w.. of each 64-row half.
+// After a tile's last chunk the epilogue folds its 128 x NC logits into the warpgroup's
+// running per-column result in shared memory (they never leave the chip); at the end each
+// warpgroup writes its partial per column, and a merge kernel reduces the partials. Order
 // everywhere: larger logit, then lower global id (a total order, so the result does not
 // depend on the reduction order). NaN logits rank as -inf.
 //
-// Partials (f32 words; P = gridDim.x): ws[((col * P + b) * K + j) * 2] = value,
-// ws[... + 1] = the global id's bits; K = 1 (argmax) or 16 (top-16, best first).
+// Partials (f32 words; P = gridDim.x * PH_CONSUMERS, b = blockIdx.x * PH_CONSUMERS + the
+// warpgroup): ws[((col * P + b) * K + j) * 2] = value, ws[... + 1] = the global id's bits;
+// K = 1 (argmax) or 16 (top-16, best first).
 
-#define PH_THREADS 128  // the consumer threads (one warpgroup): they run the epilogues
+#define PH_THREADS 128  // threads of one consumer warpgroup: it runs the MMAs and an epilogue
 #define PH_WARPS 4
 #ifndef PH_WGMMA
+#define PH_CONSUMERS 1
 #define PH_BLOCK_THREADS PH_THREADS
 #define PH_SYNC() __syncthreads()
 #define PH_SYNC_OR(x) __syncthreads_or(x)
 #else
-#define PH_BLOCK_THREADS (PH_THREADS + 32)  // + the TMA producer warp
-// Barriers of the consumer warpgroup only (named barrier 1; the producer never joins).
-#define PH_SYNC() asm volatile("bar.sync 1, 128;\n" ::: "memory")
+#define PH_CONSUMERS 2  // consumer warpgroups, taking the block's tiles in turn
+#define PH_BLOCK_THREADS ((PH_CONSUMERS + 1) * PH_THREADS)  // + the TMA producer warpgroup
+// Registers per thread after the start (setmaxnreg): the producer warpgroup gives back what
+// the consumers' accumulators and epilogue need (128 * 40 + 256 * 232 <= 384 * 168).
+#define PH_PRODUCER_REGS 40
+#define PH_CONSUMER_REGS 232
+// Barriers of one consumer warpgroup only (named barrier 1 + its index; the producer never
+// joins).
+#define PH_SYNC() asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)(threadIdx.x >> 7)) : "memory")
 __device__ __forceinline__ int ph_sync_or(int v) {
     int r;
-    asm volatile("{\n.reg .pred p, q;\nsetp.ne.s32 p, %1, 0;\nbar.red.or.pred q, 1, 128, p;\nselp.s32 %0, 1, 0, q;\n}\n"
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.s32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\nselp.s32 %0, 1, 0, q;\n}\n"
                  : "=r"(r)
-                 : "r"(v)
+                 : "r"(v), "r"(1 + (int)(threadIdx.x >> 7))
                  : "memory");
     return r;
 }
 #define PH_SYNC_OR(x) ph_sync_or(x)
 #endif
+// A consumer thread's index within its warpgroup, and the warpgroup (0 on the portable driver).
+__device__ __forceinline__ int ph_tid() { return (int)(threadIdx.x & (PH_THREADS - 1)); }
+__device__ __forceinline__ int ph_wg() { return (int)(threadIdx.x / PH_THREADS); }
 #define PH_TV 128
 #define PH_NEG_INF __int_as_float(0xff800000)
 #define PH_NO_ID 0x7fffffff
@@ -60,25 +72,26 @@ __device__ __forceinline__ bool ph_beats(float v, int id, float bv, int bid) {
 // shared-memory descriptors name, 1024-byte aligned (hence the slack).
 #ifndef PH_WGMMA
 #define PH_STAGES 3
-template <int NT>
+#define PH_EPI_STAGES(E) PH_STAGES  // every epilogue: the same pipeline depth
+template <int NT, int S>
 struct PhCfg {
     static constexpr int NC = 8 * NT;
     static constexpr int KC = 64;                       // K elements per stage
     static constexpr int LD = KC + 8;                   // smem row stride (elements, +16 B)
     static constexpr int W_ELEMS = PH_TV * LD;
     static constexpr int STAGE = W_ELEMS + NC * LD;     // bf16 elements per stage
-    static constexpr int PIPE_BYTES = PH_STAGES * STAGE * 2;
+    static constexpr int PIPE_BYTES = S * STAGE * 2;
 };
 #else
-#define PH_STAGES 5
-template <int NT>
+#define PH_EPI_STAGES(E) E::WG_STAGES  // the depth that leaves room for two epilogues
+template <int NT, int S>
 struct PhCfg {
     static constexpr int NC = 8 * NT;
     static constexpr int KC = 64;
     static constexpr int LD = KC;
     static constexpr int W_ELEMS = PH_TV * LD;
-    static constexpr int STAGE = W_ELEMS + NC * LD;
-    static constexpr int PIPE_BYTES = PH_STAGES * STAGE * 2 + 1024 + 2 * PH_STAGES * 8;  // + slack, mbarriers
+    static constexpr int STAGE = (W_ELEMS + NC * LD + 511) / 512 * 512;  // 1024-byte aligned boxes
+    static constexpr int PIPE_BYTES = S * STAGE * 2 + 1024 + 2 * S * 8 + S * 4;  // + slack, mbarriers, tickets
 };
 #endif
 
@@ -86,7 +99,7 @@ struct PhCfg {
 // the portable driver gives each warp 32 consecutive rows (two m16 tiles); the wgmma driver
 // runs two m64 wgmma per warpgroup, so warp w holds rows 16w.. of each 64-row half.
 __device__ __forceinline__ int ph_frag_row(int mt, int h) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = ph_tid() & 31, warp = ph_tid() >> 5;
 #ifndef PH_WGMMA
     return warp * 32 + mt * 16 + (lane >> 2) + 8 * h;
 #else
@@ -147,11 +160,12 @@ __device__ __forceinline__ void ph_warp_best(const float (&acc)[2][NT][4], const
 #ifndef PH_WGMMA
 // The GEMM driver: streams this block's head rows, calling epi.tile(acc, r0, row_end) after
 // every 128-row tile and epi.finish() at the end. All threads call both (they synchronize).
-template <int NT, class Epi>
+template <int NT, int S, class Epi>
 __device__ __forceinline__ void ph_run(const __nv_bfloat16* __restrict__ hidden,
                                        const __nv_bfloat16* __restrict__ head, int n, int rows,
                                        int H, unsigned char* smem, Epi& epi) {
-    typedef PhCfg<NT> C;
+    static_assert(S == PH_STAGES, "the portable pipeline depth is fixed");
+    typedef PhCfg<NT, S> C;
     constexpr int NC = C::NC, KC = C::KC, LD = C::LD;
     __nv_bfloat16* pipe = reinterpret_cast<__nv_bfloat16*>(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -259,6 +273,30 @@ __device__ __forceinline__ void ph_run(const __nv_bfloat16* __restrict__ hidden,
 
 #else  // PH_WGMMA: the sm_90a driver
 
+__device__ __forceinline__ void ph_wgmma(float (&d)[1][4], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+__device__ __forceinline__ void ph_wgmma(float (&d)[2][4], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+__device__ __forceinline__ void ph_wgmma(float (&d)[4][4], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
 __device__ __forceinline__ void ph_wgmma(float (&d)[8][4], u64 da, u64 db, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -315,6 +353,15 @@ __device__ __forceinline__ void ph_mbar_wait(unsigned bar, unsigned parity) {
         "r"(parity)
         : "memory");
 }
+// Wait until shared word `addr` holds `v` (the producer's ticket of a stage, see ph_run); in
+// one asm block for the same reason as ph_mbar_wait.
+__device__ __forceinline__ void ph_ticket_wait(unsigned addr, int v) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b32 t;\nPH_TICKET:\nld.volatile.shared.b32 t, [%0];\nsetp.eq.b32 p, t, %1;\n"
+        "@p bra PH_TICKET_DONE;\nnanosleep.u32 32;\nbra PH_TICKET;\nPH_TICKET_DONE:\n}\n" ::"r"(addr),
+        "r"(v)
+        : "memory");
+}
 // TMA: the box at element coordinates (x = K, y = row) of `map` into shared memory at `dst`,
 // completing `bytes` of transaction on `bar`.
 __device__ __forceinline__ void ph_tma_2d(unsigned dst, const PhTmap* map, int x, int y, unsigned bar) {
@@ -325,27 +372,36 @@ __device__ __forceinline__ void ph_tma_2d(unsigned dst, const PhTmap* map, int x
 }
 
 // The sm_90a GEMM driver: same contract, work split and epilogue calls as the portable one
-// above. A block is one consumer warpgroup (warps 0-3) plus one producer warp (warp 4). The
-// producer's lane 0 streams the block's K chunks through PH_STAGES shared-memory stages with
-// TMA (a 128 x 64 head box and an NC x 64 hidden box per stage, 128-byte swizzled by the TMA
-// unit, rows and columns past the tensors zero-filled): stage s is announced full by
-// mbarrier full[s] (transaction bytes) and handed back by empty[s] (an arrival of every
-// consumer thread). Each 128-row tile is two m64nNCk16 wgmma chains; one wgmma group stays
-// in flight while the next is issued, and a stage is released as soon as the group that read
-// it has completed.
-template <int NT, class Epi>
+// above. A block is PH_CONSUMERS = 2 consumer warpgroups (warps 0-7) plus one producer
+// warpgroup (warps 8-11), which hands most of its registers to the consumers (setmaxnreg).
+// The producer's first thread streams the block's K chunks, tile after tile, through S
+// shared-memory stages with TMA (a 128 x 64 head box and an NC x 64 hidden box per stage,
+// 128-byte swizzled by the TMA unit, rows and columns past the tensors zero-filled): stage s
+// is announced full by mbarrier full[s] (transaction bytes) and handed back by empty[s] (an
+// arrival of every thread of the warpgroup that read it). The warpgroups take the tiles in
+// turn (warpgroup w: tiles w, w + 2, ...), so one runs its epilogue while the other consumes
+// the stream: the epilogue is off the memory's critical path as long as it takes less than a
+// tile's read. A warpgroup's next chunk may be many phases of its stage ahead of the barrier
+// (a phase parity cannot tell them apart), so before waiting on full[s] it waits for the
+// stage's ticket, the stream index the producer wrote there when it reused the stage: then
+// the barrier is in that chunk's phase. Each warpgroup has its own epilogue state and writes its own partial (P =
+// 2 * gridDim.x). Each 128-row tile is two m64nNCk16 wgmma chains; one wgmma group stays in
+// flight while the next is issued, and a stage is released as soon as the group that read it
+// has completed.
+template <int NT, int S, class Epi>
 __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm_head, int n, int rows,
                                        int H, unsigned char* smem, Epi& epi) {
-    typedef PhCfg<NT> C;
-    constexpr int NC = C::NC, KC = C::KC, S = PH_STAGES;
-    constexpr unsigned STAGE_BYTES = (unsigned)C::STAGE * 2u;
+    typedef PhCfg<NT, S> C;
+    constexpr int KC = C::KC;
+    constexpr unsigned STAGE_BYTES = (unsigned)(C::W_ELEMS + C::NC * C::LD) * 2u;  // bytes TMA writes
     unsigned char* base = smem + ((1024 - (df_smem_u32(smem) & 1023)) & 1023);
     __nv_bfloat16* pipe = reinterpret_cast<__nv_bfloat16*>(base);
-    const unsigned bars = df_smem_u32(base + S * STAGE_BYTES);  // full[S], then empty[S]
+    const unsigned bars = df_smem_u32(base + S * C::STAGE * 2);  // full[S], then empty[S]
+    int* tickets = reinterpret_cast<int*>(base + S * C::STAGE * 2 + 2 * S * 8);  // [S]
     const int tid = threadIdx.x;
-    // Warp-uniform (and provably so for ptxas) role index: 0-3 consumers, 4 the producer.
+    // Warp-uniform (and provably so for ptxas) role index: 0-7 consumers, 8-11 the producer.
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-    const int col0 = blockIdx.y * NC;
+    const int col0 = blockIdx.y * C::NC;
     const long long per = ((long long)rows + gridDim.x - 1) / gridDim.x;
     const long long chunk = (per + 15) / 16 * 16;
     const long long row_begin = (long long)blockIdx.x * chunk;
@@ -357,15 +413,18 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
         for (int s = 0; s < S; ++s) {
             ph_mbar_init(bars + 8 * s, 1);
             ph_mbar_init(bars + 8 * (S + s), PH_THREADS);
+            tickets[s] = -1;
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    if (warp == PH_WARPS) {  // the producer warp
-        if ((tid & 31) == 0) {
+    if (warp >= PH_CONSUMERS * PH_WARPS) {  // the producer warpgroup: one thread streams
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PH_PRODUCER_REGS));
+        if (tid == PH_CONSUMERS * PH_THREADS) {
             for (int j = 0; j < total; ++j) {
                 const int s = j % S;
                 if (j >= S) ph_mbar_wait(bars + 8 * (S + s), (unsigned)((j / S - 1) & 1));
+                *reinterpret_cast<volatile int*>(tickets + s) = j;
                 const unsigned full = bars + 8 * s;
                 ph_mbar_expect_tx(full, STAGE_BYTES);
                 const int k0 = (j % kch) * KC;
@@ -377,16 +436,20 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
         }
         return;
     }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(PH_CONSUMER_REGS));
+    const int wg = warp / PH_WARPS;
     epi.init();
     PH_SYNC();
     // The accumulators are only written by wgmma (the first of each tile overwrites them,
     // accumulate = 0) and only read by the epilogue after wait_group 0, so ptxas never has to
     // serialize the chain.
     float acc[2][NT][4];
-    int it = 0;
-    for (int t = 0; t < tiles; ++t) {
-        for (int kc = 0; kc < kch; ++kc, ++it) {
+    for (int t = wg; t < tiles; t += PH_CONSUMERS) {
+        const int it0 = t * kch;  // the tile's first K chunk in the stream
+        for (int kc = 0; kc < kch; ++kc) {
+            const int it = it0 + kc;
             const int s = it % S;
+            ph_ticket_wait(df_smem_u32(tickets + s), it);
             ph_mbar_wait(bars + 8 * s, (unsigned)((it / S) & 1));
             const __nv_bfloat16* Ws = pipe + s * C::STAGE;
             const __nv_bfloat16* Xs = Ws + C::W_ELEMS;
@@ -401,11 +464,11 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
             }
             ph_wg_commit();
             ph_wg_wait<1>();
-            // The group of iteration it - 1 has completed: hand its stage back.
+            // The group of chunk it - 1 has completed: hand its stage back.
             if (kc > 0) ph_mbar_arrive(bars + 8 * (S + (it - 1) % S));
         }
         ph_wg_wait<0>();
-        ph_mbar_arrive(bars + 8 * (S + (it - 1) % S));
+        ph_mbar_arrive(bars + 8 * (S + (it0 + kch - 1) % S));
         epi.tile(acc, row_begin + (long long)t * PH_TV, row_end);
     }
     epi.finish();
@@ -417,6 +480,7 @@ template <int NT>
 struct PhArgmax {
     static constexpr int NC = 8 * NT;
     static constexpr int SMEM_BYTES = (PH_WARPS + 1) * NC * 8;  // mirrored by the launcher
+    static constexpr int WG_STAGES = 5;  // sm_90a pipeline depth
     float* wv;  // [PH_WARPS][NC]
     int* wi;
     float* bv;  // [NC]
@@ -432,10 +496,10 @@ struct PhArgmax {
         bi = reinterpret_cast<int*>(bv + NC);
     }
     __device__ __forceinline__ void init() {
-        for (int c = threadIdx.x; c < NC; c += PH_THREADS) { bv[c] = PH_NEG_INF; bi[c] = PH_NO_ID; }
+        for (int c = ph_tid(); c < NC; c += PH_THREADS) { bv[c] = PH_NEG_INF; bi[c] = PH_NO_ID; }
     }
     __device__ __forceinline__ void tile(const float (&acc)[2][NT][4], long long r0, long long row_end) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        const int lane = ph_tid() & 31, warp = ph_tid() >> 5;
         int ids[2][2];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
@@ -455,7 +519,7 @@ struct PhArgmax {
                 }
         }
         PH_SYNC();
-        for (int c = threadIdx.x; c < NC; c += PH_THREADS) {
+        for (int c = ph_tid(); c < NC; c += PH_THREADS) {
             float b = bv[c];
             int bid = bi[c];
 #pragma unroll
@@ -471,11 +535,12 @@ struct PhArgmax {
         // Portable: the next write of wv / wi follows the next tile's pipeline barrier.
     }
     __device__ __forceinline__ void finish() {
-        const int P = gridDim.x;
-        for (int c = threadIdx.x; c < NC; c += PH_THREADS) {
+        const int P = gridDim.x * PH_CONSUMERS;
+        const int b = blockIdx.x * PH_CONSUMERS + ph_wg();
+        for (int c = ph_tid(); c < NC; c += PH_THREADS) {
             const long long col = (long long)blockIdx.y * NC + c;
             if (col >= n) continue;
-            float* o = ws + (col * P + blockIdx.x) * 2;
+            float* o = ws + (col * P + b) * 2;
             o[0] = bv[c];
             o[1] = __int_as_float(bi[c]);
         }
@@ -492,23 +557,24 @@ struct PhArgmax {
 #define PH_RUN_OPERANDS &tm_hidden, &tm_head
 #endif
 
-// The fused GEMM entry `{op}_gemm_nt{NT}` with epilogue EPI (both head ops use this).
+// The fused GEMM entry `{op}_gemm_nt{NT}` with epilogue EPI (both head ops use this): the
+// pipeline, then one epilogue state per consumer warpgroup.
 #define PH_ENTRY(NAME, EPI, NT)                                                                 \
     extern "C" __global__ void __launch_bounds__(PH_BLOCK_THREADS, 1) NAME##_gemm_nt##NT(        \
         PH_OPERANDS, const int* token_ids, float* ws, int n, int rows, int H, int public_vocab) { \
         extern __shared__ __align__(16) unsigned char ph_smem[];                                \
+        constexpr int S = PH_EPI_STAGES(EPI<NT>);                                                \
         PhRows rw;                                                                               \
         rw.token_ids = token_ids;                                                                \
         rw.considered = public_vocab;                                                            \
-        EPI<NT> epi(ph_smem + PhCfg<NT>::PIPE_BYTES, rw, ws, n);                                 \
-        ph_run<NT>(PH_RUN_OPERANDS, n, rows, H, ph_smem, epi);                                   \
+        const int wg = min(ph_wg(), PH_CONSUMERS - 1); /* the producer warp: unused */         \
+        EPI<NT> epi(ph_smem + PhCfg<NT, S>::PIPE_BYTES + wg * EPI<NT>::SMEM_BYTES, rw, ws, n);  \
+        ph_run<NT, S>(PH_RUN_OPERANDS, n, rows, H, ph_smem, epi);                                \
     }
 #define PH_ARGMAX_ENTRY(NT) PH_ENTRY(proposal_argmax, PhArgmax, NT)
-#ifndef PH_WGMMA
 PH_ARGMAX_ENTRY(1)
 PH_ARGMAX_ENTRY(2)
 PH_ARGMAX_ENTRY(4)
-#endif
 PH_ARGMAX_ENTRY(8)
 PH_ARGMAX_ENTRY(16)
 

@@ -8,15 +8,19 @@
 
 // Context addressing of a local layer: position p of the row lives in ring slot
 // lane * S + p mod S (the caller's live interval is [max(0, F - S), F)).
+// Tile-wise (see attn_split_body): the unit is the ring capacity S, and every unit starts at
+// the lane's base.
 struct AttnRingCtx {
     int base;    // lane * S (lanes * S <= i32::MAX: checked on the host)
     int window;  // S
+    __device__ __forceinline__ int unit() const { return window; }
+    __device__ __forceinline__ int unit_base(int) const { return base; }
     __device__ __forceinline__ int slot(int p) const { return base + (p % window); }
 };
 
 // grid (splits, kv_heads * row_blocks, rows), ATTN_THREADS threads, dynamic shared memory
-// attend::smem_bytes(DP).
-template <int DP>
+// attend::smem_bytes(DP); entry points as the full layer's (`_d{DP}`, `_d{DP}_ks2`).
+template <int DP, int KS>
 __device__ __forceinline__ void sliding_window_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
     const __nv_bfloat16* ring_k, const __half* ring_v, const int* lanes, const int* start_pos,
@@ -37,27 +41,30 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
     AttnRingCtx ctx;
     ctx.base = (lane_ok ? lane_id : 0) * window;
     ctx.window = window;
-    attn_split_body<DP>(ctx, F, ctx_lo, L, window, q, k_blk, v_blk, ring_k, ring_v, ws, r, kvh,
+    attn_split_body<DP, KS>(ctx, F, ctx_lo, L, window, q, k_blk, v_blk, ring_k, ring_v, ws, r, kvh,
                         rb, s, rows, cols, q_heads, kv_heads, head_dim, splits);
 }
 
-#define ATTN_RING_ENTRY(DP, MINB)                                                                      \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB)                  \
-        sliding_window_attention_split_d##DP(                                                    \
-            const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,      \
-            const __nv_bfloat16* ring_k, const __half* ring_v, const int* lanes,                 \
-            const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,   \
-            int kv_heads, int head_dim, int n_lanes, int window, int splits, int row_blocks) {   \
-        sliding_window_attention_split_entry<DP>(q, k_blk, v_blk, ring_k, ring_v, lanes,         \
-                                                 start_pos, live, ws, rows, cols, q_heads,       \
-                                                 kv_heads, head_dim, n_lanes, window, splits,    \
-                                                 row_blocks);                                    \
+#define ATTN_RING_ENTRY(NAME, DP, KS, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) NAME(                       \
+        const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,          \
+        const __nv_bfloat16* ring_k, const __half* ring_v, const int* lanes,                     \
+        const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,       \
+        int kv_heads, int head_dim, int n_lanes, int window, int splits, int row_blocks) {       \
+        sliding_window_attention_split_entry<DP, KS>(q, k_blk, v_blk, ring_k, ring_v, lanes,     \
+                                                     start_pos, live, ws, rows, cols, q_heads,   \
+                                                     kv_heads, head_dim, n_lanes, window,        \
+                                                     splits, row_blocks);                        \
     }
-ATTN_RING_ENTRY(16, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(32, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(64, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(128, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(256, 1)
+ATTN_RING_ENTRY(sliding_window_attention_split_d16, 16, 1, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(sliding_window_attention_split_d32, 32, 1, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(sliding_window_attention_split_d64, 64, 1, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(sliding_window_attention_split_d128, 128, 1, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(sliding_window_attention_split_d256, 256, 1, 1)
+ATTN_RING_ENTRY(sliding_window_attention_split_d16_ks2, 16, 2, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(sliding_window_attention_split_d32_ks2, 32, 2, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(sliding_window_attention_split_d64_ks2, 64, 2, ATTN_MIN_BLOCKS)
+ATTN_RING_ENTRY(sliding_window_attention_split_d128_ks2, 128, 2, ATTN_MIN_BLOCKS)
 
 // grid (q_heads, cols, rows); 128 threads.
 extern "C" __global__ void sliding_window_attention_merge(const float* ws, const int* live,

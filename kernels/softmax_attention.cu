@@ -53,16 +53,22 @@ struct AttnCfg {
 };
 
 // Context addressing of the full layer: position p of the row lives in page table[p / ps],
-// slot p % ps. Returns the flat slot, or -1 when the page id is out of range (the key is then
-// invisible).
+// slot p % ps. `slot` returns the flat slot, or -1 when the page id is out of range (the key
+// is then invisible). Tile-wise (see attn_split_body): `unit` is the page size and
+// `unit_base(q)` the first slot of page q of the row (-1 when out of range), so that the keys
+// of one page need one table read and no division.
 struct AttnPagedCtx {
     const int* table_row;
     int page_size;
     int pages;
+    __device__ __forceinline__ int unit() const { return page_size; }
+    __device__ __forceinline__ int unit_base(int q) const {
+        const int pg = table_row[q];
+        return (pg < 0 || pg >= pages) ? -1 : pg * page_size;
+    }
     __device__ __forceinline__ int slot(int p) const {
-        const int pg = table_row[p / page_size];
-        if (pg < 0 || pg >= pages) return -1;
-        return pg * page_size + (p % page_size);
+        const int b = unit_base(p / page_size);
+        return b < 0 ? -1 : b + (p % page_size);
     }
 };
 
@@ -88,13 +94,20 @@ __device__ __forceinline__ AttnPlan attn_plan(long long n_ctx, int L, int kt, in
 // One split of one (row, KV head, row block). window > 0: local layer (|p_key - p_query| <
 // window); window == 0: no window. F, ctx_lo, L are already clamped by the entry point.
 //
-// Warps. m-tile mt (16 query rows) of the block's live rows goes to warp mt when 3-4 m-tiles
-// have work; with 1-2 m-tiles, warps 2 mt and 2 mt + 1 share m-tile mt and each takes half of
-// every key tile (KS = 2), and the pair's partial states are combined before the split writes
-// its partial. The context P is one FP16 term (V is FP16: 11-bit weights); the block's P is
-// two BF16 terms hi + lo (16 bits against the BF16 V); the softmax sum uses the same
-// represented weights.
-template <int DP, typename Ctx>
+// Warps (KS, a compile-time choice of the launcher). KS = 1: m-tile mt (16 query rows) of the
+// block goes to warp mt. KS = 2 (at most 32 query rows, KT = 32): warps 2 mt and 2 mt + 1
+// share m-tile mt and each takes half of every key tile; the pair's partial states are
+// combined before the split writes its partial. Every warp's key share is a compile-time
+// count (KT / KS keys).
+// Masks. A tile whose keys are all valid and visible to every live column (a "full" tile:
+// every context tile of the full layer but the last, the interior of a window) skips the
+// per-key mask; the flag is one ballot of the tile's key list when it is staged.
+// Scores. s = q.k in FP32; the running max m is kept in base-2 units (s * log2(e) / sqrt(D),
+// rounded once), and a weight is 2^(fma(s, log2(e) / sqrt(D), -m)).
+// P. The context P is one FP16 term (V is FP16: 11-bit weights); the block's P is two BF16
+// terms hi + lo (16 bits against the BF16 V); the softmax sum uses the same represented
+// weights.
+template <int DP, int KS, typename Ctx>
 __device__ __forceinline__ void attn_split_body(
     const Ctx ctx, int F, int ctx_lo, int L, int window,
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_blk,
@@ -103,10 +116,14 @@ __device__ __forceinline__ void attn_split_body(
     int rows, int cols, int q_heads, int kv_heads, int head_dim, int splits) {
     typedef AttnCfg<DP> C;
     constexpr int KT = C::KT, LD = C::LD, STAGES = C::STAGES, NK = C::NK, ND = C::ND;
+    constexpr int NKW = NK / KS;  // key n8 tiles of one warp per tile
+    static_assert(KS == 1 || (KS == 2 && KT == 32), "key-split pairs need 32-key tiles");
+    static_assert(NKW % 2 == 0, "a warp takes whole k16 chunks of P V");
     extern __shared__ __align__(16) unsigned char attn_smem[];
     __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(attn_smem);
     unsigned short* KVs = reinterpret_cast<unsigned short*>(Qs + ATTN_ROWS * LD);  // [STAGES][K,V][KT][LD]
     int* kpos = reinterpret_cast<int*>(KVs + 2 * STAGES * KT * LD);              // [STAGES][KT]
+    int* tfull = kpos + STAGES * KT;                                              // [STAGES]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, qd = lane & 3;
@@ -127,6 +144,7 @@ __device__ __forceinline__ void attn_split_body(
     const bool vec = (head_dim & 7) == 0;
     const int slot_stride = kv_heads * head_dim;  // elements between context slots
     const int kvh_off = kvh * head_dim;
+    const int unit = ctx.unit();
 
     // Zero the padding columns [head_dim, DP) of Q and every K/V stage once: loads never
     // write them, and Q K^T / P V then see exact zeros there.
@@ -179,22 +197,41 @@ __device__ __forceinline__ void attn_split_body(
         }
     }
 
-    // Slot (or block column) of key t of tile tt, -1 when invalid. Context keys of one tile
-    // are consecutive positions, resolved from the tile's first position.
-    auto key_slot = [&](int tt, int t) -> int {
+    // Slot (or block column) of key t of tile tt, -1 when invalid. The context keys of one
+    // tile are the consecutive positions p0 + t (p0 = ctx_lo + tt * KT); with q0 = p0 / unit,
+    // r0 = p0 % unit and b0 = the first slot of unit q0 (computed once per tile), key t is
+    // b0 + r0 + t while r0 + t < unit (the same page, or no ring wrap), else resolved alone.
+    struct TileAddr { int r0, b0; };
+    auto tile_addr = [&](int tt) -> TileAddr {
+        TileAddr a;
+        a.r0 = unit;  // block tiles: unused
+        a.b0 = -1;
+        if (tt < plan.t_ctx) {
+            const int p0 = ctx_lo + tt * KT;
+            const int q0 = p0 / unit;
+            a.r0 = p0 - q0 * unit;
+            a.b0 = ctx.unit_base(q0);
+        }
+        return a;
+    };
+    auto key_slot = [&](int tt, const TileAddr& a, int t) -> int {
         if (tt < plan.t_ctx) {
             const int o = tt * KT + t;  // offset in the context range (no overflow past F)
-            return o < n_ctx ? ctx.slot(ctx_lo + o) : -1;
+            if (o >= n_ctx) return -1;
+            const int off = a.r0 + t;
+            if (off < unit) return a.b0 < 0 ? -1 : a.b0 + off;
+            return ctx.slot(ctx_lo + o);
         }
         const int j = (tt - plan.t_ctx) * KT + t;
         return j < L ? j : -1;
     };
-    // Stage tile tt into buffer st: K, V rows and their kpos (context: p - F in -n_ctx..-1;
-    // block: the column; ATTN_NO_KEY when invalid).
+    // Stage tile tt into buffer st: K, V rows, their kpos (context: p - F in -n_ctx..-1;
+    // block: the column; ATTN_NO_KEY when invalid) and the tile's full flag.
     auto load_tile = [&](int tt, int st) {
         unsigned short* Ks = KVs + (2 * st) * KT * LD;
         unsigned short* Vs = KVs + (2 * st + 1) * KT * LD;
         const bool is_ctx = tt < plan.t_ctx;
+        const TileAddr ta = tile_addr(tt);
         const unsigned short* kbase = reinterpret_cast<const unsigned short*>(is_ctx ? ctx_k : k_blk);
         const unsigned short* vbase = is_ctx ? reinterpret_cast<const unsigned short*>(ctx_v)
                                              : reinterpret_cast<const unsigned short*>(v_blk);
@@ -210,7 +247,7 @@ __device__ __forceinline__ void attn_split_body(
                 const int c = tid % CH;
                 int sl[PER];
 #pragma unroll
-                for (int u = 0; u < PER; ++u) sl[u] = key_slot(tt, tid / CH + u * KSTEP);
+                for (int u = 0; u < PER; ++u) sl[u] = key_slot(tt, ta, tid / CH + u * KSTEP);
 #pragma unroll
                 for (int u = 0; u < PER; ++u) {
                     const int t = tid / CH + u * KSTEP;
@@ -221,7 +258,7 @@ __device__ __forceinline__ void attn_split_body(
                 }
             } else if (tid < KT * CH) {  // small tiles (DP = 16): one chunk per thread
                 const int t = tid / CH, c = tid % CH;
-                const int sl = key_slot(tt, t);
+                const int sl = key_slot(tt, ta, t);
                 const bool valid = sl >= 0;
                 const long long off = valid ? row_off(sl) + c * 8 : 0;
                 df_cp_async16(df_smem_u32(Ks + t * LD + c * 8), kbase + off, valid);
@@ -230,27 +267,32 @@ __device__ __forceinline__ void attn_split_body(
         } else {
             for (int e = tid; e < KT * chunks; e += ATTN_THREADS) {
                 const int t = e / chunks, c = e % chunks;
-                const int sl = key_slot(tt, t);
+                const int sl = key_slot(tt, ta, t);
                 const bool valid = sl >= 0;
                 const long long off = valid ? row_off(sl) : 0;
                 copy_chunk(Ks + t * LD, kbase + off, valid, c);
                 copy_chunk(Vs + t * LD, vbase + off, valid, c);
             }
         }
-        if (tid < KT) {
-            const int sl = key_slot(tt, tid);
+        if (warp == 0) {  // KT <= 32: warp 0 writes the key list and the full flag
             int kp = ATTN_NO_KEY;
-            if (sl >= 0) kp = is_ctx ? tt * KT + tid - n_ctx : (tt - plan.t_ctx) * KT + tid;
-            kpos[st * KT + tid] = kp;
+            if (lane < KT) {
+                const int sl = key_slot(tt, ta, lane);
+                if (sl >= 0) kp = is_ctx ? tt * KT + lane - n_ctx : (tt - plan.t_ctx) * KT + lane;
+                kpos[st * KT + lane] = kp;
+            }
+            const bool all_valid = __all_sync(0xffffffffu, lane >= KT || kp != ATTN_NO_KEY);
+            // Context key kk (= p - F) is visible to column i iff kk - i > -window: the first
+            // key and the last live column decide for the whole tile.
+            const bool in_window = window == 0 || tt * KT - n_ctx - (L - 1) > -window;
+            if (lane == 0) tfull[st] = is_ctx && all_valid && in_window;
         }
     };
 
-    // Warp roles (see above): m-tile, key half, keys per warp per tile.
+    // Warp roles (see above): m-tile, key share.
     const int n_mt = (live_rows + 15) / 16;
-    const int ks = n_mt <= 2 ? 2 : 1;
-    const int mt = warp / ks;
-    const int kbeg = (warp % ks) * (KT / ks);
-    const int nkw = NK / ks;  // key n8 tiles of this warp per tile
+    const int mt = warp / KS;
+    const int kbeg = (warp % KS) * (KT / KS);
     const bool warp_live = mt < n_mt;
     const int mrow0 = mt * 16;
     int col_of[2];
@@ -268,8 +310,9 @@ __device__ __forceinline__ void attn_split_body(
     for (int dt = 0; dt < ND; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     const float sl2 = 1.4426950408889634f / sqrtf((float)head_dim);
 
-    // Prologue: Q with tile t0 (group 0), then tiles t0 + 1 .. t0 + STAGES - 2.
-#pragma unroll
+    // Prologue: Q with tile t0 (group 0), then tiles t0 + 1 .. t0 + STAGES - 2 (not unrolled:
+    // one copy of load_tile less in the instruction stream).
+#pragma unroll 1
     for (int s0 = 0; s0 < STAGES - 1; ++s0) {
         if (t0 + s0 < t1) load_tile(t0 + s0, s0);
         df_cp_commit();  // possibly empty
@@ -289,10 +332,11 @@ __device__ __forceinline__ void attn_split_body(
         const unsigned short* Vs = KVs + (2 * st + 1) * KT * LD;
         const int* kp = kpos + st * KT + kbeg;
         const bool is_ctx = tt < plan.t_ctx;
+        const bool full = tfull[st] != 0;
         // S = Q K^T over this warp's keys of the tile.
-        float sc[NK][4];
+        float sc[NKW][4];
 #pragma unroll
-        for (int j = 0; j < NK; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+        for (int j = 0; j < NKW; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
         for (int kc = 0; kc < C::KC; ++kc) {
             unsigned a0, a1, a2, a3;
@@ -300,8 +344,7 @@ __device__ __forceinline__ void attn_split_body(
                                    kc * 16 + (lane >> 4) * 8),
                        a0, a1, a2, a3);
 #pragma unroll
-            for (int np = 0; np < NK / 2; ++np) {
-                if (2 * np >= nkw) break;
+            for (int np = 0; np < NKW / 2; ++np) {
                 unsigned b0, b1, b2, b3;
                 df_ldsm_x4(df_smem_u32(Ks + (kbeg + np * 16 + (lane & 7) + (lane >> 4) * 8) * LD +
                                        kc * 16 + ((lane >> 3) & 1) * 8),
@@ -310,33 +353,35 @@ __device__ __forceinline__ void attn_split_body(
                 df_mma_bf16(sc[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        // Mask, scale, online softmax (per thread: rows g, g + 8; a quad shares a row).
+        // Mask (edge tiles only), online softmax (per thread: rows g, g + 8; a quad shares a row).
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
-            const int i = col_of[h2];
             float mx = ATTN_NEG_INF;
+            if (full) {
 #pragma unroll
-            for (int j = 0; j < NK; ++j) {
+                for (int j = 0; j < NKW; ++j) mx = fmaxf(mx, fmaxf(sc[j][2 * h2], sc[j][2 * h2 + 1]));
+            } else {
+                const int i = col_of[h2];
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    bool vis = false;
-                    if (j < nkw) {
+                for (int j = 0; j < NKW; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
                         const int kk = kp[j * 8 + 2 * qd + e];
-                        vis = row_ok[h2] && kk != ATTN_NO_KEY;
+                        bool vis = row_ok[h2] && kk != ATTN_NO_KEY;
                         if (window > 0) {
                             // context: p - F_q > -window with p = F + kk, query at F + i;
                             // block: |j - i| < window.
                             vis = vis && (is_ctx ? (kk - i > -window) : (abs(kk - i) < window));
                         }
+                        const float v = vis ? sc[j][2 * h2 + e] : ATTN_NEG_INF;
+                        sc[j][2 * h2 + e] = v;
+                        mx = fmaxf(mx, v);
                     }
-                    const float v = vis ? sc[j][2 * h2 + e] * sl2 : ATTN_NEG_INF;
-                    sc[j][2 * h2 + e] = v;
-                    mx = fmaxf(mx, v);
                 }
             }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_run[h2], mx);
+            const float m_new = fmaxf(m_run[h2], mx * sl2);
             const float base = m_new == ATTN_NEG_INF ? 0.f : m_new;
             const float corr = exp2f(m_run[h2] - base);  // 0 when m_run == -inf; 1 when unchanged
             m_run[h2] = m_new;
@@ -349,15 +394,14 @@ __device__ __forceinline__ void attn_split_body(
                 }
             }
 #pragma unroll
-            for (int j = 0; j < NK; ++j) {
-                sc[j][2 * h2] = exp2f(sc[j][2 * h2] - base);
-                sc[j][2 * h2 + 1] = exp2f(sc[j][2 * h2 + 1] - base);
+            for (int j = 0; j < NKW; ++j) {
+                sc[j][2 * h2] = exp2f(fmaf(sc[j][2 * h2], sl2, -base));
+                sc[j][2 * h2 + 1] = exp2f(fmaf(sc[j][2 * h2 + 1], sl2, -base));
             }
         }
         // O += P V over this warp's keys.
 #pragma unroll
-        for (int kc2 = 0; kc2 < KT / 16; ++kc2) {
-            if (2 * kc2 >= nkw) break;
+        for (int kc2 = 0; kc2 < NKW / 2; ++kc2) {
             unsigned ah[4], al[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -366,9 +410,10 @@ __device__ __forceinline__ void attn_split_body(
                 const int h2 = u & 1;
                 const float p0 = sc[j][2 * h2], p1 = sc[j][2 * h2 + 1];
                 if (is_ctx) {
-                    const __half h0 = __float2half_rn(p0), h1 = __float2half_rn(p1);
-                    ah[u] = df_pack_f16(h0, h1);
-                    l_run[h2] += __half2float(h0) + __half2float(h1);
+                    const __half2 ph = __floats2half2_rn(p0, p1);
+                    ah[u] = *reinterpret_cast<const unsigned*>(&ph);
+                    const float2 pf = __half22float2(ph);
+                    l_run[h2] += pf.x + pf.y;
                 } else {
                     const __nv_bfloat16 h0 = __float2bfloat16_rn(p0), h1 = __float2bfloat16_rn(p1);
                     const __nv_bfloat16 q0 = __float2bfloat16_rn(p0 - __bfloat162float(h0));
@@ -401,7 +446,7 @@ __device__ __forceinline__ void attn_split_body(
 
     // Key-split pairs: the second warp of a pair hands its state to the first through shared
     // memory (the K/V stages are free now), which combines the two.
-    if (ks == 2) {
+    if (KS == 2) {
         __syncthreads();  // every warp is done with the stages
         float* xch = reinterpret_cast<float*>(KVs) + (size_t)mt * 32 * (4 * ND + 4);
         if (warp_live && (warp % 2) == 1) {
@@ -521,8 +566,9 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
 }
 
 // Full-layer entry: grid (splits, kv_heads * row_blocks, rows), ATTN_THREADS threads,
-// dynamic shared memory attend::smem_bytes(DP).
-template <int DP>
+// dynamic shared memory attend::smem_bytes(DP). Entry points `_d{DP}` (KS = 1) and, for
+// DP <= 128, `_d{DP}_ks2` (KS = 2: at most 32 query rows per block).
+template <int DP, int KS>
 __device__ __forceinline__ void softmax_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
     const __nv_bfloat16* pages_k, const __half* pages_v, const int* page_table,
@@ -539,27 +585,31 @@ __device__ __forceinline__ void softmax_attention_split_entry(
     ctx.table_row = page_table + (long long)r * max_pages;
     ctx.page_size = page_size;
     ctx.pages = pages;
-    attn_split_body<DP>(ctx, F, 0, L, 0, q, k_blk, v_blk, pages_k, pages_v, ws, r, kvh, rb, s,
-                        rows, cols, q_heads, kv_heads, head_dim, splits);
+    attn_split_body<DP, KS>(ctx, F, 0, L, 0, q, k_blk, v_blk, pages_k, pages_v, ws, r, kvh, rb, s,
+                            rows, cols, q_heads, kv_heads, head_dim, splits);
 }
 
-#define ATTN_FULL_ENTRY(DP, MINB)                                                                      \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) softmax_attention_split_d##DP(    \
+#define ATTN_FULL_ENTRY(NAME, DP, KS, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) NAME(                       \
         const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,          \
         const __nv_bfloat16* pages_k, const __half* pages_v, const int* page_table,              \
         const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,       \
         int kv_heads, int head_dim, int pages, int page_size, int max_pages, int splits,         \
         int row_blocks) {                                                                        \
-        softmax_attention_split_entry<DP>(q, k_blk, v_blk, pages_k, pages_v, page_table,        \
-                                          start_pos, live, ws, rows, cols, q_heads, kv_heads,   \
-                                          head_dim, pages, page_size, max_pages, splits,        \
-                                          row_blocks);                                          \
+        softmax_attention_split_entry<DP, KS>(q, k_blk, v_blk, pages_k, pages_v, page_table,    \
+                                              start_pos, live, ws, rows, cols, q_heads,         \
+                                              kv_heads, head_dim, pages, page_size, max_pages,  \
+                                              splits, row_blocks);                              \
     }
-ATTN_FULL_ENTRY(16, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(32, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(64, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(128, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(256, 1)
+ATTN_FULL_ENTRY(softmax_attention_split_d16, 16, 1, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(softmax_attention_split_d32, 32, 1, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(softmax_attention_split_d64, 64, 1, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(softmax_attention_split_d128, 128, 1, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(softmax_attention_split_d256, 256, 1, 1)
+ATTN_FULL_ENTRY(softmax_attention_split_d16_ks2, 16, 2, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(softmax_attention_split_d32_ks2, 32, 2, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(softmax_attention_split_d64_ks2, 64, 2, ATTN_MIN_BLOCKS)
+ATTN_FULL_ENTRY(softmax_attention_split_d128_ks2, 128, 2, ATTN_MIN_BLOCKS)
 
 // grid (q_heads, cols, rows); 128 threads.
 extern "C" __global__ void softmax_attention_merge(const float* ws, const int* live,

@@ -50,6 +50,7 @@ struct PhTopk {
     static constexpr int NC = 8 * NT;
     static_assert(NC <= PH_THREADS, "one merging thread per column");
     static constexpr int SMEM_BYTES = NC * UT_K * 8 + NC * 4 + NC * UT_CAP * 8;  // mirrored by the launcher
+    static constexpr int WG_STAGES = 4;  // sm_90a pipeline depth: two of these states fit beside it
     float* lv;   // [UT_K][NC] running lists, best first
     int* li;
     int* cnt;    // [NC] candidates appended this pass (may exceed UT_CAP: overflow)
@@ -67,15 +68,15 @@ struct PhTopk {
         ci = reinterpret_cast<int*>(cv + NC * UT_CAP);
     }
     __device__ __forceinline__ void init() {
-        for (int e = threadIdx.x; e < NC * UT_K; e += PH_THREADS) { lv[e] = PH_NEG_INF; li[e] = PH_NO_ID; }
-        for (int c = threadIdx.x; c < NC; c += PH_THREADS) cnt[c] = 0;
+        for (int e = ph_tid(); e < NC * UT_K; e += PH_THREADS) { lv[e] = PH_NEG_INF; li[e] = PH_NO_ID; }
+        for (int c = ph_tid(); c < NC; c += PH_THREADS) cnt[c] = 0;
     }
 
     // Thread c: push column c's buffered candidates into its list (their order does not
     // matter: the result is the top-16 of the union, and the order is total), then empty the
     // buffer.
     __device__ __forceinline__ void insert_own() {
-        const int c = threadIdx.x;
+        const int c = ph_tid();
         if (c >= NC) return;
         const int m = min(cnt[c], UT_CAP);
         if (m == 0) return;
@@ -98,7 +99,7 @@ struct PhTopk {
     // the list entries that beat it with a ballot (no chain through the list). Then empty the
     // buffer.
     __device__ __forceinline__ void insert_warp(int c) {
-        const int lane = threadIdx.x & 31;
+        const int lane = ph_tid() & 31;
         const int m = min(cnt[c], UT_CAP);
         const float x = lane < m ? cv[lane * NC + c] : PH_NEG_INF;
         const int xi = lane < m ? ci[lane * NC + c] : PH_NO_ID;
@@ -121,7 +122,7 @@ struct PhTopk {
     }
 
     __device__ __forceinline__ void tile(const float (&acc)[2][NT][4], long long r0, long long row_end) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        const int lane = ph_tid() & 31, warp = ph_tid() >> 5;
         // Element k = 2 * mt + h of a column: row ph_row(r0, mt, h), logit acc[mt][nt][2h + e].
         int ids[4];
 #pragma unroll
@@ -184,12 +185,13 @@ struct PhTopk {
     }
 
     __device__ __forceinline__ void finish() {
-        const int P = gridDim.x;
-        for (int e = threadIdx.x; e < NC * UT_K; e += PH_THREADS) {
+        const int P = gridDim.x * PH_CONSUMERS;
+        const int b = blockIdx.x * PH_CONSUMERS + ph_wg();
+        for (int e = ph_tid(); e < NC * UT_K; e += PH_THREADS) {
             const int c = e / UT_K, j = e % UT_K;
             const long long col = (long long)blockIdx.y * NC + c;
             if (col >= n) continue;
-            float* o = ws + ((col * P + blockIdx.x) * UT_K + j) * 2;
+            float* o = ws + ((col * P + b) * UT_K + j) * 2;
             o[0] = lv[j * NC + c];
             o[1] = __int_as_float(li[j * NC + c]);
         }
@@ -197,11 +199,9 @@ struct PhTopk {
 };
 
 #define PH_TOPK_ENTRY(NT) PH_ENTRY(unary_topk, PhTopk, NT)
-#ifndef PH_WGMMA
 PH_TOPK_ENTRY(1)
 PH_TOPK_ENTRY(2)
 PH_TOPK_ENTRY(4)
-#endif
 PH_TOPK_ENTRY(8)
 PH_TOPK_ENTRY(16)
 

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::head::{HeadKernels, cuda::launch_gemm};
+use super::head::{Epilogue, HeadKernels, cuda::launch_gemm};
 use super::{OP, Params};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::{Buffer, Result};
@@ -46,7 +46,10 @@ fn kernels() -> HeadKernels {
             "proposal_argmax_gemm_nt8",
             "proposal_argmax_gemm_nt16",
         ],
-        epilogue_bytes,
+        epilogue: Epilogue {
+            bytes: epilogue_bytes,
+            wgmma_stages: 5,
+        },
     }
 }
 

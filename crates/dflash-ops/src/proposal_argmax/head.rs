@@ -148,43 +148,70 @@ pub(crate) fn host_logits<'a>(
 #[cfg(any(feature = "cuda", test))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Driver {
-    /// mma.sync m16n8k16 over a 3-stage cp.async pipeline (sm_80 and later).
+    /// mma.sync m16n8k16 over a 3-stage cp.async pipeline, one warpgroup (sm_80 and later).
     Portable,
-    /// wgmma m64nNk16 over 5 TMA stages in the 128-byte swizzled layout, fed by a producer
-    /// warp through mbarriers (sm_90a; the module is compiled with `PH_WGMMA`).
+    /// wgmma m64nNk16 over TMA stages in the 128-byte swizzled layout, fed by a producer
+    /// warpgroup through mbarriers, two consumer warpgroups taking the tiles in turn (sm_90a;
+    /// the module is compiled with `PH_WGMMA`).
     Wgmma,
 }
 
-/// Bytes of the fused GEMM's shared memory pipeline for `nt` column tiles
-/// (`PhCfg<NT>::PIPE_BYTES`): portable, 3 stages of a 128 x 64 head tile and an 8*nt x 64
-/// hidden tile with rows padded to 72 elements; wgmma, 5 unpadded stages plus 1024 bytes of
-/// alignment slack and the stages' two mbarriers each.
+/// What the launch plan needs to know about a head op's epilogue.
 #[cfg(any(feature = "cuda", test))]
-pub(crate) fn pipe_bytes(nt: usize, driver: Driver) -> usize {
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Epilogue {
+    /// Shared memory of one epilogue state for `nt` column tiles (`Epi<NT>::SMEM_BYTES`).
+    pub(crate) bytes: fn(usize) -> usize,
+    /// The wgmma driver's pipeline depth (`Epi<NT>::WG_STAGES`).
+    pub(crate) wgmma_stages: usize,
+}
+
+/// Consumer warpgroups of a block, each with its own epilogue state and partial
+/// (`PH_CONSUMERS`).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn consumers(driver: Driver) -> usize {
     match driver {
-        Driver::Portable => 3 * (128 * 72 + 8 * nt * 72) * 2,
-        Driver::Wgmma => 5 * (128 * 64 + 8 * nt * 64) * 2 + 1024 + 2 * 5 * 8,
+        Driver::Portable => 1,
+        Driver::Wgmma => 2,
     }
 }
 
-/// Column tiles the portable kernels are instantiated for (8 columns each).
+/// Bytes of the fused GEMM's shared memory pipeline for `nt` column tiles
+/// (`PhCfg<NT, S>::PIPE_BYTES`): portable, 3 stages of a 128 x 64 head tile and an 8*nt x 64
+/// hidden tile with rows padded to 72 elements; wgmma, `stages` unpadded stages (each
+/// rounded up to 1024 bytes, which the swizzled boxes need) plus 1024 bytes of alignment
+/// slack, the stages' two mbarriers and one ticket each.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn pipe_bytes(nt: usize, driver: Driver, stages: usize) -> usize {
+    match driver {
+        Driver::Portable => 3 * (128 * 72 + 8 * nt * 72) * 2,
+        Driver::Wgmma => {
+            stages * ((128 * 64 + 8 * nt * 64) * 2).next_multiple_of(1024)
+                + 1024
+                + 2 * stages * 8
+                + stages * 4
+        }
+    }
+}
+
+/// The whole dynamic shared memory of a launch: the pipeline and one epilogue state per
+/// consumer warpgroup.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn smem_bytes(nt: usize, driver: Driver, epi: &Epilogue) -> usize {
+    pipe_bytes(nt, driver, epi.wgmma_stages) + consumers(driver) * (epi.bytes)(nt)
+}
+
+/// Column tiles the kernels of both drivers are instantiated for (8 columns each; the same
+/// entry-point names in both modules).
 #[cfg(any(feature = "cuda", test))]
 pub(crate) const NT_CHOICES: [usize; 5] = [1, 2, 4, 8, 16];
 
-/// Column tiles the wgmma kernels are instantiated for (a suffix of [`NT_CHOICES`]: the
-/// entry points keep the portable names).
+/// The driver for `n` columns on a backend that may (`sm90a`) use the wgmma one: wgmma
+/// whenever it is available (its producer and the second warpgroup keep the head read
+/// streaming during the epilogues, at any width).
 #[cfg(any(feature = "cuda", test))]
-pub(crate) const WGMMA_NT_CHOICES: [usize; 2] = [8, 16];
-
-/// Fewest columns the wgmma driver is used for. Below, the GEMM is bound by the head read,
-/// which the portable driver already reaches; above, it is bound by the MMA rate.
-#[cfg(any(feature = "cuda", test))]
-pub(crate) const WGMMA_MIN_COLUMNS: usize = 33;
-
-/// The driver for `n` columns on a backend that may (`sm90a`) use the wgmma one.
-#[cfg(any(feature = "cuda", test))]
-pub(crate) fn choose_driver(n: usize, sm90a: bool) -> Driver {
-    if sm90a && n >= WGMMA_MIN_COLUMNS {
+pub(crate) fn choose_driver(_n: usize, sm90a: bool) -> Driver {
+    if sm90a {
         Driver::Wgmma
     } else {
         Driver::Portable
@@ -216,28 +243,28 @@ pub(crate) fn choose_nt(
 }
 
 /// The driver and column tiling of a launch for `n` columns: the wgmma driver where
-/// [`choose_driver`] picks it and one of its tiles fits `limit` bytes of shared memory (a
-/// pipeline plus `epilogue_bytes(nt)`), else the portable one; `None` when not even the
-/// portable driver's smallest tile fits.
+/// [`choose_driver`] picks it and its tile (under `limit` bytes of shared memory, see
+/// [`smem_bytes`]) is at least as wide as the portable one's (a narrower tile would read the
+/// head more often), else the portable one; `None` when not even the portable driver's
+/// smallest tile fits.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn plan_tiles(
     n: usize,
     sm90a: bool,
     limit: usize,
-    epilogue_bytes: impl Fn(usize) -> usize,
+    epi: &Epilogue,
 ) -> Option<(Driver, usize)> {
-    let fit = |driver: Driver, choices: &[usize]| {
-        choose_nt(n, choices, limit, |nt| {
-            pipe_bytes(nt, driver) + epilogue_bytes(nt)
-        })
-        .map(|nt| (driver, nt))
+    let fit = |driver: Driver| {
+        choose_nt(n, &NT_CHOICES, limit, |nt| smem_bytes(nt, driver, epi)).map(|nt| (driver, nt))
     };
+    let portable = fit(Driver::Portable);
     if choose_driver(n, sm90a) == Driver::Wgmma
-        && let Some(plan) = fit(Driver::Wgmma, &WGMMA_NT_CHOICES)
+        && let Some(plan) = fit(Driver::Wgmma)
+        && portable.is_none_or(|(_, nt)| plan.1 >= nt)
     {
         return Some(plan);
     }
-    fit(Driver::Portable, &NT_CHOICES)
+    portable
 }
 
 /// What distinguishes the two head ops' fused GEMM kernels.
@@ -251,11 +278,10 @@ pub(crate) struct HeadKernels {
     pub(crate) sm90a_module: &'static str,
     /// See [`Self::sm90a_module`].
     pub(crate) sm90a_source: &'static str,
-    /// Entry points `{op}_gemm_nt{NT}`, one per [`NT_CHOICES`] entry (the wgmma module
-    /// defines those of [`WGMMA_NT_CHOICES`] under the same names).
+    /// Entry points `{op}_gemm_nt{NT}`, one per [`NT_CHOICES`] entry (in both modules).
     pub(crate) names: [&'static str; 5],
-    /// The epilogue's shared memory for `nt` column tiles (after the pipeline).
-    pub(crate) epilogue_bytes: fn(usize) -> usize,
+    /// The epilogue's shared memory and the wgmma pipeline depth.
+    pub(crate) epilogue: Epilogue,
 }
 
 #[cfg(feature = "cuda")]
@@ -266,17 +292,18 @@ pub(crate) mod cuda {
     use half::bf16;
 
     use super::{
-        Driver, HeadKernels, MAX_PARTIAL_BLOCKS, NT_CHOICES, Params, pipe_bytes, plan_tiles,
+        Driver, HeadKernels, MAX_PARTIAL_BLOCKS, NT_CHOICES, Params, consumers, plan_tiles,
+        smem_bytes,
     };
     use crate::cuda::{CudaBackend, SM90A, cuda_err};
     use crate::{Buffer, OpsError, Result};
 
-    /// Threads of a GEMM block (`PH_BLOCK_THREADS`): one warpgroup, plus the TMA producer
-    /// warp for the wgmma driver.
+    /// Threads of a GEMM block (`PH_BLOCK_THREADS`): one warpgroup; for the wgmma driver two
+    /// consumer warpgroups and the TMA producer warpgroup.
     fn threads(driver: Driver) -> u32 {
         match driver {
             Driver::Portable => 128,
-            Driver::Wgmma => 160,
+            Driver::Wgmma => 384,
         }
     }
 
@@ -335,12 +362,12 @@ pub(crate) mod cuda {
         Ok(TensorMap(unsafe { map.assume_init() }))
     }
 
-    /// Launch the fused GEMM of `k` (the wgmma driver on an sm_90a backend for at least
-    /// [`super::WGMMA_MIN_COLUMNS`] columns, the portable one otherwise); returns the number
-    /// of partial blocks written per column (the merge's `P`).
+    /// Launch the fused GEMM of `k` (the wgmma driver on an sm_90a backend, the portable one
+    /// otherwise); returns the number of partials written per column (the merge's `P`:
+    /// blocks times consumer warpgroups).
     ///
-    /// Grid: x = P = min(ceil(rows / 16), resident blocks, 1024) row ranges of equal length
-    /// (a multiple of 16 rows), y = ceil(n / (8 * nt)) column chunks.
+    /// Grid: x = min(ceil(rows / 16), resident blocks, 1024 / consumers) row ranges of equal
+    /// length (a multiple of 16 rows), y = ceil(n / (8 * nt)) column chunks.
     pub(crate) fn launch_gemm(
         c: &CudaBackend,
         k: &HeadKernels,
@@ -352,18 +379,17 @@ pub(crate) mod cuda {
     ) -> Result<usize> {
         let op = k.op;
         let limit = c.limits().smem_per_block_optin;
-        let (driver, nt) = plan_tiles(p.n, c.uses_sm90a(), limit, k.epilogue_bytes)
+        let (driver, nt) = plan_tiles(p.n, c.uses_sm90a(), limit, &k.epilogue)
             .ok_or_else(|| OpsError::Cuda {
                 context: format!("preparing {op}"),
                 message: format!(
                     "the smallest head tile needs {} bytes of shared memory; this device allows {limit}",
-                    pipe_bytes(NT_CHOICES[0], Driver::Portable) + (k.epilogue_bytes)(NT_CHOICES[0])
+                    smem_bytes(NT_CHOICES[0], Driver::Portable, &k.epilogue)
                 ),
             })?;
-        let smem = |nt: usize| pipe_bytes(nt, driver) + (k.epilogue_bytes)(nt);
         let idx = NT_CHOICES.iter().position(|&x| x == nt).unwrap_or(0);
         let name = k.names[idx];
-        let bytes = smem(nt);
+        let bytes = smem_bytes(nt, driver, &k.epilogue);
         let threads = threads(driver);
         let kernel = match driver {
             Driver::Portable => c.kernel(op, k.source, name, threads, bytes)?,
@@ -376,12 +402,13 @@ pub(crate) mod cuda {
                 bytes,
             )?,
         };
+        let per_block = consumers(driver);
         let resident = kernel.blocks_per_sm * c.limits().sm_count;
         let blocks = p
             .rows
             .div_ceil(16)
             .min(resident)
-            .clamp(1, MAX_PARTIAL_BLOCKS);
+            .clamp(1, MAX_PARTIAL_BLOCKS / per_block);
         let chunks = p.n.div_ceil(8 * nt);
         if chunks > 65_535 {
             return Err(OpsError::Param {
@@ -442,9 +469,10 @@ pub(crate) mod cuda {
         // encoded above over the same allocations, which outlive the launch's stream order);
         // a null pointer is a valid `const int*` for the full head, never dereferenced there;
         // hidden has n*H, head rows*H elements, token_ids rows (checked by the op's `run`);
-        // the workspace holds n * MAX_PARTIAL_BLOCKS * keep pairs and blocks <= 1024.
+        // the workspace holds n * MAX_PARTIAL_BLOCKS * keep pairs and blocks * consumers <=
+        // MAX_PARTIAL_BLOCKS.
         unsafe { b.launch(cfg) }.map_err(cuda_err(format!("launching {name}")))?;
-        Ok(blocks)
+        Ok(blocks * per_block)
     }
 }
 
@@ -455,7 +483,7 @@ mod tests {
     #[test]
     fn column_tiling_is_the_smallest_that_holds_n_within_the_device_limit() {
         let big = usize::MAX;
-        let pb = |nt| pipe_bytes(nt, Driver::Portable);
+        let pb = |nt| pipe_bytes(nt, Driver::Portable, 0);
         let c = &NT_CHOICES;
         assert_eq!(choose_nt(1, c, big, pb), Some(1));
         assert_eq!(choose_nt(7, c, big, pb), Some(1));
@@ -467,46 +495,89 @@ mod tests {
         let nt = choose_nt(120, c, 99 * 1024, pb).expect("fits");
         assert!(pb(nt) <= 99 * 1024 && nt < 16, "{nt}");
         assert_eq!(choose_nt(1, c, 1000, pb), None);
-        // The wgmma tiles: 64 or 128 columns.
-        let wb = |nt| pipe_bytes(nt, Driver::Wgmma);
-        let w = &WGMMA_NT_CHOICES;
-        assert_eq!(choose_nt(33, w, big, wb), Some(8));
-        assert_eq!(choose_nt(64, w, big, wb), Some(8));
-        assert_eq!(choose_nt(65, w, big, wb), Some(16));
-        assert_eq!(choose_nt(120, w, big, wb), Some(16));
+    }
+
+    /// The two epilogues as their launchers describe them.
+    const ARGMAX: Epilogue = Epilogue {
+        bytes: |nt| 5 * 8 * nt * 8,
+        wgmma_stages: 5,
+    };
+    const TOPK: Epilogue = Epilogue {
+        bytes: |nt| 8 * nt * (16 * 8 + 4 + 32 * 8),
+        wgmma_stages: 4,
+    };
+
+    #[test]
+    fn both_epilogues_fit_an_h200_block_at_every_wgmma_tile() {
+        // 227 KiB: the opt-in limit per block of sm_90.
+        for nt in NT_CHOICES {
+            for epi in [ARGMAX, TOPK] {
+                let b = smem_bytes(nt, Driver::Wgmma, &epi);
+                assert!(b <= 232_448, "nt {nt}: {b}");
+            }
+        }
+        assert_eq!(
+            plan_tiles(120, true, 232_448, &TOPK),
+            Some((Driver::Wgmma, 16))
+        );
+        assert_eq!(
+            plan_tiles(8, true, 232_448, &TOPK),
+            Some((Driver::Wgmma, 1))
+        );
+        // Two epilogue states: the top-16's at 128 columns is 49664 bytes.
+        assert_eq!(
+            smem_bytes(16, Driver::Wgmma, &TOPK),
+            4 * 32768 + 1024 + 64 + 16 + 2 * 49_664
+        );
     }
 
     #[test]
     fn a_wgmma_tile_that_does_not_fit_falls_back_to_the_portable_driver() {
-        let epi = |nt: usize| 8 * nt * 16 * 8;
         let big = 227 * 1024;
-        assert_eq!(plan_tiles(120, true, big, epi), Some((Driver::Wgmma, 16)));
         assert_eq!(
-            plan_tiles(120, false, big, epi),
+            plan_tiles(120, true, big, &ARGMAX),
+            Some((Driver::Wgmma, 16))
+        );
+        assert_eq!(
+            plan_tiles(120, false, big, &ARGMAX),
             Some((Driver::Portable, 16))
         );
-        assert_eq!(plan_tiles(7, true, big, epi), Some((Driver::Portable, 1)));
-        // Room for the portable 128-column tile but not for any wgmma tile.
-        let limit = pipe_bytes(16, Driver::Portable) + epi(16);
-        assert!(pipe_bytes(8, Driver::Wgmma) + epi(8) > limit);
+        assert_eq!(plan_tiles(7, true, big, &ARGMAX), Some((Driver::Wgmma, 1)));
+        // Room for the portable 128-column tile but only for narrower wgmma tiles (which
+        // would read the head twice or more): portable.
+        let limit = smem_bytes(16, Driver::Portable, &TOPK);
+        assert!(smem_bytes(16, Driver::Wgmma, &TOPK) > limit);
+        assert!(smem_bytes(8, Driver::Wgmma, &TOPK) <= limit);
         assert_eq!(
-            plan_tiles(120, true, limit, epi),
+            plan_tiles(120, true, limit, &TOPK),
             Some((Driver::Portable, 16))
         );
-        assert_eq!(plan_tiles(120, true, 1000, epi), None);
+        // Narrow calls still take the wgmma driver there.
+        assert_eq!(plan_tiles(16, true, limit, &TOPK), Some((Driver::Wgmma, 2)));
+        // No wgmma tile fits at all.
+        let tiny = smem_bytes(1, Driver::Portable, &TOPK);
+        assert!(smem_bytes(1, Driver::Wgmma, &TOPK) > tiny);
+        assert_eq!(
+            plan_tiles(7, true, tiny, &TOPK),
+            Some((Driver::Portable, 1))
+        );
+        assert_eq!(plan_tiles(120, true, 1000, &TOPK), None);
     }
 
     #[test]
-    fn wgmma_driver_only_on_sm90a_for_wide_calls() {
+    fn wgmma_driver_only_on_sm90a() {
         assert_eq!(choose_driver(120, true), Driver::Wgmma);
-        assert_eq!(choose_driver(WGMMA_MIN_COLUMNS, true), Driver::Wgmma);
-        assert_eq!(choose_driver(WGMMA_MIN_COLUMNS - 1, true), Driver::Portable);
+        assert_eq!(choose_driver(1, true), Driver::Wgmma);
         assert_eq!(choose_driver(120, false), Driver::Portable);
-        // The wgmma tiles are a suffix of the portable ones (same entry-point names), and
-        // their stages stay 1024-byte aligned (the swizzled descriptors need it).
-        assert!(NT_CHOICES.ends_with(&WGMMA_NT_CHOICES));
-        for nt in WGMMA_NT_CHOICES {
-            assert_eq!((128 * 64 + 8 * nt * 64) * 2 % 1024, 0);
+        assert_eq!(
+            (consumers(Driver::Portable), consumers(Driver::Wgmma)),
+            (1, 2)
+        );
+        // The wgmma stages stay 1024-byte aligned (the swizzled descriptors need it).
+        for nt in NT_CHOICES {
+            let stage = pipe_bytes(nt, Driver::Wgmma, 1) - 1024 - 16 - 4;
+            assert_eq!(stage % 1024, 0, "{nt}");
+            assert_eq!(stage, (128 + 8 * nt) * 64 * 2, "{nt}: no padding needed");
         }
     }
 

@@ -37,21 +37,25 @@
 //!   cases.
 //!
 //! CUDA (kernels/proposal_argmax.cu, whose GEMM drivers `unary_topk` shares; see
-//! [`head`]). Fused head GEMM: the head's rows are streamed once; each of P <= 1024 blocks
-//! (as many as are resident on the device) owns an equal contiguous range of rows (a multiple
-//! of 16) and walks it in tiles of 128 rows x up to 128 columns, BF16 in, FP32 accumulate,
-//! over 64-wide K chunks. Two drivers compute a tile (same work split, same epilogue):
+//! [`head`]). Fused head GEMM: the head's rows are streamed once; each of the blocks (as many
+//! as are resident on the device) owns an equal contiguous range of rows (a multiple of 16)
+//! and walks it in tiles of 128 rows x up to 128 columns, BF16 in, FP32 accumulate, over
+//! 64-wide K chunks. Two drivers compute a tile (same work split, same epilogue):
 //! - portable (sm_80 and later): one warpgroup, mma.m16n8k16 over a 3-stage cp.async pipeline
 //!   that runs across tiles;
-//! - sm_90a (compute capability 9.0 and `CudaOptions::kernels` = `Auto`, for 33 columns and
-//!   more, where the portable driver is bound by the MMA rate): one consumer warpgroup runs
-//!   two m64nNk16 wgmma chains per tile (N = 64 or 128 columns) from 128-byte swizzled
-//!   shared memory; a producer warp streams the chunks with TMA through 5 stages, each
-//!   announced full and handed back by mbarriers. `KernelVariants::Portable` forces the first.
+//! - sm_90a (compute capability 9.0 and `CudaOptions::kernels` = `Auto`, any column count):
+//!   a producer warpgroup (one thread issuing TMA, its registers handed to the consumers with
+//!   setmaxnreg) streams the chunks through 5 stages (4 for the top-16), each announced full
+//!   and handed back by mbarriers, with a ticket per stage naming the chunk it holds; two
+//!   consumer warpgroups take the tiles in turn, each running two m64nNk16 wgmma chains per
+//!   tile (N = 8 to 128 columns) from 128-byte swizzled shared memory, so one runs its
+//!   epilogue while the other consumes the stream. `KernelVariants::Portable` forces the
+//!   first.
 //!
-//! After each tile the block folds the tile's logits into a running best per column in shared
-//! memory (warp shuffles, then the four warps); at the end it writes one (value, id) partial
-//! per column, and a merge kernel (one block per column) picks the best of the P partials.
+//! After each tile the warpgroup folds the tile's logits into its running best per column in
+//! shared memory (warp shuffles, then the four warps); at the end it writes one (value, id)
+//! partial per column (P = blocks x warpgroups <= 1024 partials), and a merge kernel (one
+//! block per column) picks the best of the P partials.
 //! Columns beyond 128 (or beyond what the device's shared memory allows) use more column
 //! chunks, each streaming the head again.
 

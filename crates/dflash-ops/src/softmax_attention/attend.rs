@@ -51,11 +51,20 @@ pub(crate) fn stages(dp: usize) -> usize {
 }
 
 /// Dynamic shared memory of the CUDA split kernel for padded head dimension `dp`: the Q
-/// block, `stages` K and V tiles (rows padded by 8 elements) and one `kpos` array per stage.
+/// block, `stages` K and V tiles (rows padded by 8 elements), one `kpos` array per stage and
+/// one full-tile flag per stage.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn smem_bytes(dp: usize) -> usize {
     let (kt, ld, st) = (tile_keys(dp), dp + 8, stages(dp));
-    (BLOCK_QUERY_ROWS * ld + 2 * st * kt * ld) * 2 + st * kt * 4
+    (BLOCK_QUERY_ROWS * ld + 2 * st * kt * ld) * 2 + st * kt * 4 + st * 4
+}
+
+/// Whether the launcher uses the key-split-pair entry point (`_d{DP}_ks2`, KS = 2): at most
+/// 32 query rows per block (two m16 tiles, so two warps per tile share its keys) and 32-key
+/// tiles (`dp <= 128`).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn key_split_pairs(g: &Geometry, dp: usize) -> bool {
+    g.group().saturating_mul(g.cols) <= 32 && tile_keys(dp) == 32
 }
 
 /// The shape of one attention call, common to both ops.
@@ -680,12 +689,31 @@ mod tests {
             assert!(tile_keys(dp).is_multiple_of(16));
         }
         assert_eq!(padded_head_dim(128), 128);
-        // Q (64 rows) + 3 stages of 32 K and 32 V rows of 136 elements + 3 kpos arrays.
+        // Q (64 rows) + 3 stages of 32 K and 32 V rows of 136 elements + 3 kpos arrays and
+        // 3 full-tile flags.
         assert_eq!(
             smem_bytes(128),
-            (64 * 136 + 2 * 3 * 32 * 136) * 2 + 3 * 32 * 4
+            (64 * 136 + 2 * 3 * 32 * 136) * 2 + 3 * 32 * 4 + 3 * 4
         );
         // Three blocks fit in an H200 SM (228 KiB, 1 KiB reserved per block).
         assert!(3 * (smem_bytes(128) + 1024) <= 228 * 1024);
+    }
+
+    #[test]
+    fn key_split_pairs_only_for_two_m_tiles_of_32_key_tiles() {
+        let g = |rows, cols, q_heads, kv_heads| Geometry {
+            rows,
+            cols,
+            q_heads,
+            kv_heads,
+            head_dim: 128,
+        };
+        // 35B / 27B drafts: 4 query heads per KV head. K = 7 (8 columns): 32 rows -> pairs;
+        // K = 15 (16 columns): 64 rows -> one warp per m16 tile.
+        assert!(key_split_pairs(&g(1, 8, 32, 8), 128));
+        assert!(!key_split_pairs(&g(1, 16, 32, 8), 128));
+        assert!(key_split_pairs(&g(8, 1, 32, 8), 64));
+        // 16-key tiles (head dim 256) have no pairs (a warp takes whole k16 chunks).
+        assert!(!key_split_pairs(&g(1, 8, 32, 8), 256));
     }
 }

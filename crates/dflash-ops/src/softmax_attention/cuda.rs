@@ -52,8 +52,9 @@ pub(crate) struct AttnCall<'a> {
     pub(crate) live: &'a Buffer<i32>,
 }
 
-/// Launch the split kernel `{op}_split_d{DP}` and the merge `{op}_merge` of module `op`
-/// (source `source`). Shapes were validated by the op's `run`.
+/// Launch the split kernel `{op}_split_d{DP}` (or `_d{DP}_ks2`, see
+/// [`attend::key_split_pairs`]) and the merge `{op}_merge` of module `op` (source `source`).
+/// Shapes were validated by the op's `run`.
 ///
 /// Grid of the split: (splits, Hkv * row_blocks, rows) with row_blocks = ceil(G * cols / 64)
 /// and splits = min(split bound, resident blocks of the device / (rows * Hkv * row_blocks)),
@@ -71,16 +72,25 @@ pub(crate) fn launch(
     workspace: &mut Buffer<f32>,
 ) -> Result<()> {
     let dp = attend::padded_head_dim(g.head_dim);
-    let name: &'static str = match (op, dp) {
-        ("softmax_attention", 16) => "softmax_attention_split_d16",
-        ("softmax_attention", 32) => "softmax_attention_split_d32",
-        ("softmax_attention", 64) => "softmax_attention_split_d64",
-        ("softmax_attention", 128) => "softmax_attention_split_d128",
-        ("softmax_attention", _) => "softmax_attention_split_d256",
-        (_, 16) => "sliding_window_attention_split_d16",
-        (_, 32) => "sliding_window_attention_split_d32",
-        (_, 64) => "sliding_window_attention_split_d64",
-        (_, 128) => "sliding_window_attention_split_d128",
+    let pairs = attend::key_split_pairs(g, dp);
+    let name: &'static str = match (op, dp, pairs) {
+        ("softmax_attention", 16, false) => "softmax_attention_split_d16",
+        ("softmax_attention", 32, false) => "softmax_attention_split_d32",
+        ("softmax_attention", 64, false) => "softmax_attention_split_d64",
+        ("softmax_attention", 128, false) => "softmax_attention_split_d128",
+        ("softmax_attention", 16, true) => "softmax_attention_split_d16_ks2",
+        ("softmax_attention", 32, true) => "softmax_attention_split_d32_ks2",
+        ("softmax_attention", 64, true) => "softmax_attention_split_d64_ks2",
+        ("softmax_attention", 128, true) => "softmax_attention_split_d128_ks2",
+        ("softmax_attention", _, _) => "softmax_attention_split_d256",
+        (_, 16, false) => "sliding_window_attention_split_d16",
+        (_, 32, false) => "sliding_window_attention_split_d32",
+        (_, 64, false) => "sliding_window_attention_split_d64",
+        (_, 128, false) => "sliding_window_attention_split_d128",
+        (_, 16, true) => "sliding_window_attention_split_d16_ks2",
+        (_, 32, true) => "sliding_window_attention_split_d32_ks2",
+        (_, 64, true) => "sliding_window_attention_split_d64_ks2",
+        (_, 128, true) => "sliding_window_attention_split_d128_ks2",
         _ => "sliding_window_attention_split_d256",
     };
     let merge_name: &'static str = match ctx {
@@ -188,7 +198,7 @@ pub(crate) fn launch(
         }
         b.arg(&sp);
         b.arg(&rb);
-        // SAFETY: argument types and order match the `{op}_split_d{DP}` entry points (paged:
+        // SAFETY: argument types and order match the `{op}_split_d{DP}[_ks2]` entry points (paged:
         // pages, page_size, max_pages; ring: n_lanes, window); every length was checked by
         // `run` (workspace >= workspace_len, whose split bound covers `splits`); the kernel
         // clamps device metadata so it stays in bounds.

@@ -51,12 +51,18 @@
 //!   300 keys uses 10 tiles whatever the capacity). The launched split count is
 //!   min([`split_count`], the device's resident blocks / (rows * Hkv * row blocks)).
 //! - Tiles: K/V tiles are staged through shared memory by cp.async in a 3-stage pipeline (2
-//!   tiles in flight while one is computed; 3 blocks per SM). Each warp owns an m16 tile; when
-//!   a request has at most 32 query rows, warp pairs split every tile's keys and combine their
-//!   states at the end. Q K^T and P V run on the tensor cores (mma.m16n8k16, FP32
-//!   accumulation) with an online softmax in base 2 (the accumulator is rescaled only when a
-//!   row's maximum grows). P is one FP16 term against the context's F16 V and two BF16 terms
-//!   (hi + lo) against the block's BF16 V; the softmax sum adds the same represented weights.
+//!   tiles in flight while one is computed; 3 blocks per SM). A tile's context keys are
+//!   consecutive positions: their slots come from one page-table read (or one ring offset)
+//!   per tile, per key only where the tile crosses a page or the ring's end. Each warp owns an
+//!   m16 tile (entry `_d{DP}`); when the call has at most 32 query rows per block (entry
+//!   `_d{DP}_ks2`, a compile-time choice), warp pairs split every tile's keys and combine
+//!   their states at the end. A tile whose keys are all valid and visible to every live column
+//!   (flagged by one ballot when staged) skips the per-key mask. Q K^T and P V run on the
+//!   tensor cores (mma.m16n8k16, FP32 accumulation) with an online softmax in base 2 (the
+//!   running max is s * log2(e) / sqrt(D) rounded once, a weight is 2^fma(s, log2(e) /
+//!   sqrt(D), -max); the accumulator is rescaled only when a row's maximum grows). P is one
+//!   FP16 term against the context's F16 V and two BF16 terms (hi + lo) against the block's
+//!   BF16 V; the softmax sum adds the same represented weights.
 //! - Merge: each split writes FP32 partials (max, sum, accumulator) and its row's active
 //!   split count; the merge (grid (Hq, cols, rows)) loads every split's weight once, combines
 //!   the active splits exactly and writes the dead columns' zeros.

@@ -10,7 +10,7 @@ use half::bf16;
 use super::{OP, Params, TOP_K};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::proposal_argmax::cuda::SOURCE as SHARED;
-use crate::proposal_argmax::head::{HeadKernels, cuda::launch_gemm};
+use crate::proposal_argmax::head::{Epilogue, HeadKernels, cuda::launch_gemm};
 use crate::{Buffer, Result};
 
 const OWN: &str = include_str!(concat!(
@@ -56,7 +56,10 @@ fn kernels() -> HeadKernels {
             "unary_topk_gemm_nt8",
             "unary_topk_gemm_nt16",
         ],
-        epilogue_bytes,
+        epilogue: Epilogue {
+            bytes: epilogue_bytes,
+            wgmma_stages: 4,
+        },
     }
 }
 

@@ -30,17 +30,18 @@
 //!   the whole-draft-block cases.
 //!
 //! CUDA (kernels/unary_topk.cu, compiled after kernels/proposal_argmax.cu whose fused head
-//! GEMM drivers, portable and sm_90a, it shares). Each GEMM block keeps a running top-16 per
-//! column in shared memory, whose 16th entry is the column's threshold. After every 128-row
-//! tile each thread tests its own logits against their column's threshold and appends only
-//! those that beat it to the column's candidate buffer (32 slots); then the thread of each
-//! column (one per column, all columns at once) pushes the column's candidates into its list
-//! held in registers, one compare-and-shift insertion each, and writes the list back. A
-//! buffer that overflows (the first tiles of a block) repeats the pass over the logits not yet
-//! appended, against the raised thresholds,
-//! which is exact because thresholds only rise. Each block
-//! writes its list per column; the merge (one block per column) takes the top 16 of the
-//! P * 16 partials.
+//! GEMM drivers, portable and sm_90a, it shares). Each GEMM warpgroup keeps a running top-16
+//! per column in shared memory, whose 16th entry is the column's threshold. A column's 128
+//! logits of a tile are held by 32 threads, 4 each. After every tile, passes run until no
+//! holder has a logit left that beats its column's threshold: a holder skips the column with
+//! one compare when the max of its 4 logits is below a full list's threshold; otherwise it
+//! appends its best logit that beats the threshold to the column's candidate buffer (32
+//! slots: one per holder, so it never overflows) and asks for another pass if a second one
+//! does. The candidates are then merged into the list: from 64 columns on by the column's own
+//! thread (the list in registers, one compare-and-shift insertion each, all columns at once),
+//! below that by one warp per column, by rank. This is exact because thresholds only rise.
+//! Each warpgroup writes its list per column; the merge (one block per column) takes the top
+//! 16 of the P * 16 partials.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

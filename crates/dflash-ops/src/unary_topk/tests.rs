@@ -384,7 +384,10 @@ mod epilogue_model {
     }
 
     fn merge(list: &mut [Entry; K], cands: &[Entry], how: Merge) {
-        assert!(cands.len() <= CAP, "a pass appends at most one candidate per holder");
+        assert!(
+            cands.len() <= CAP,
+            "a pass appends at most one candidate per holder"
+        );
         match how {
             Merge::Thread => cands.iter().for_each(|&x| push(list, x)),
             Merge::Warp => {
@@ -429,7 +432,10 @@ mod epilogue_model {
     ) {
         let mut done: Vec<[bool; 4]> = holders.iter().map(|h| h.map(|e| e.1 == NO_ID)).collect();
         for pass in 0.. {
-            assert!(pass <= 4, "a holder appends one element per pass: at most 4 passes");
+            assert!(
+                pass <= 4,
+                "a holder appends one element per pass: at most 4 passes"
+            );
             let threshold = list[K - 1];
             let mut buf = Vec::new();
             let mut more = false;
@@ -437,13 +443,22 @@ mod epilogue_model {
                 let x = holders[h];
                 // fmaxf: NaN ignored (the max of four NaN is NaN, and fails the compare).
                 let mx = x.iter().map(|e| e.0).fold(f32::NAN, f32::max);
-                if threshold.0 != f32::NEG_INFINITY && !(mx >= threshold.0) {
+                // `!(mx >= t)`, which holds for NaN too, as the kernel's compare.
+                let below = mx.partial_cmp(&threshold.0).is_none_or(|o| o.is_lt());
+                if threshold.0 != f32::NEG_INFINITY && below {
                     continue;
                 }
                 let mut best: Option<(usize, Entry)> = None;
                 let mut passing = 0;
                 for k in 0..4 {
-                    let e = (if x[k].0.is_nan() { f32::NEG_INFINITY } else { x[k].0 }, x[k].1);
+                    let e = (
+                        if x[k].0.is_nan() {
+                            f32::NEG_INFINITY
+                        } else {
+                            x[k].0
+                        },
+                        x[k].1,
+                    );
                     if done[h][k] || !beats(e, threshold) {
                         continue;
                     }
@@ -586,15 +601,21 @@ mod epilogue_model {
         for how in [Merge::Thread, Merge::Warp] {
             let mut list = [EMPTY; K];
             let holders: Vec<[Entry; 4]> = (0..HOLDERS)
-                .map(|h| std::array::from_fn(|k| {
-                    let r = (4 * h + k) as i32;
-                    (if h == 0 { 100.0 + k as f32 } else { 1.0 }, r)
-                }))
+                .map(|h| {
+                    std::array::from_fn(|k| {
+                        let r = (4 * h + k) as i32;
+                        (if h == 0 { 100.0 + k as f32 } else { 1.0 }, r)
+                    })
+                })
                 .collect();
             tile(&mut list, &holders, how, |_| (0..HOLDERS).collect());
             let got: Vec<i32> = list.iter().map(|e| e.1).collect();
             assert_eq!(&got[..4], &[3, 2, 1, 0], "merge {how:?}");
-            assert_eq!(&got[4..], &(4..16).collect::<Vec<i32>>()[..], "merge {how:?}");
+            assert_eq!(
+                &got[4..],
+                &(4..16).collect::<Vec<i32>>()[..],
+                "merge {how:?}"
+            );
         }
     }
 }
