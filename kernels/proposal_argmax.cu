@@ -30,6 +30,9 @@
 
 #define PH_THREADS 128  // threads of one consumer warpgroup: it runs the MMAs and an epilogue
 #define PH_WARPS 4
+// A consumer thread's index within its warpgroup, and the warpgroup (0 on the portable driver).
+__device__ __forceinline__ int ph_tid() { return (int)(threadIdx.x & (PH_THREADS - 1)); }
+__device__ __forceinline__ int ph_wg() { return (int)(threadIdx.x / PH_THREADS); }
 #ifndef PH_WGMMA
 #define PH_CONSUMERS 1
 #define PH_BLOCK_THREADS PH_THREADS
@@ -44,20 +47,17 @@
 #define PH_CONSUMER_REGS 232
 // Barriers of one consumer warpgroup only (named barrier 1 + its index; the producer never
 // joins).
-#define PH_SYNC() asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)(threadIdx.x >> 7)) : "memory")
+#define PH_SYNC() asm volatile("bar.sync %0, 128;\n" ::"r"(1 + ph_wg()) : "memory")
 __device__ __forceinline__ int ph_sync_or(int v) {
     int r;
     asm volatile("{\n.reg .pred p, q;\nsetp.ne.s32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\nselp.s32 %0, 1, 0, q;\n}\n"
                  : "=r"(r)
-                 : "r"(v), "r"(1 + (int)(threadIdx.x >> 7))
+                 : "r"(v), "r"(1 + ph_wg())
                  : "memory");
     return r;
 }
 #define PH_SYNC_OR(x) ph_sync_or(x)
 #endif
-// A consumer thread's index within its warpgroup, and the warpgroup (0 on the portable driver).
-__device__ __forceinline__ int ph_tid() { return (int)(threadIdx.x & (PH_THREADS - 1)); }
-__device__ __forceinline__ int ph_wg() { return (int)(threadIdx.x / PH_THREADS); }
 #define PH_TV 128
 #define PH_NEG_INF __int_as_float(0xff800000)
 #define PH_NO_ID 0x7fffffff
@@ -90,7 +90,8 @@ struct PhCfg {
     static constexpr int KC = 64;
     static constexpr int LD = KC;
     static constexpr int W_ELEMS = PH_TV * LD;
-    static constexpr int STAGE = (W_ELEMS + NC * LD + 511) / 512 * 512;  // 1024-byte aligned boxes
+    static constexpr int STAGE = W_ELEMS + NC * LD;
+    static_assert(STAGE * 2 % 1024 == 0, "every stage's boxes start 1024-byte aligned (the swizzle)");
     static constexpr int PIPE_BYTES = S * STAGE * 2 + 1024 + 2 * S * 8 + S * 4;  // + slack, mbarriers, tickets
 };
 #endif
@@ -393,7 +394,7 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
                                        int H, unsigned char* smem, Epi& epi) {
     typedef PhCfg<NT, S> C;
     constexpr int KC = C::KC;
-    constexpr unsigned STAGE_BYTES = (unsigned)(C::W_ELEMS + C::NC * C::LD) * 2u;  // bytes TMA writes
+    constexpr unsigned STAGE_BYTES = (unsigned)C::STAGE * 2u;  // bytes TMA writes per stage
     unsigned char* base = smem + ((1024 - (df_smem_u32(smem) & 1023)) & 1023);
     __nv_bfloat16* pipe = reinterpret_cast<__nv_bfloat16*>(base);
     const unsigned bars = df_smem_u32(base + S * C::STAGE * 2);  // full[S], then empty[S]

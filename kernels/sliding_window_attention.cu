@@ -56,15 +56,7 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
                                                      kv_heads, head_dim, n_lanes, window,        \
                                                      splits, row_blocks);                        \
     }
-ATTN_RING_ENTRY(sliding_window_attention_split_d16, 16, 1, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(sliding_window_attention_split_d32, 32, 1, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(sliding_window_attention_split_d64, 64, 1, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(sliding_window_attention_split_d128, 128, 1, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(sliding_window_attention_split_d256, 256, 1, 1)
-ATTN_RING_ENTRY(sliding_window_attention_split_d16_ks2, 16, 2, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(sliding_window_attention_split_d32_ks2, 32, 2, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(sliding_window_attention_split_d64_ks2, 64, 2, ATTN_MIN_BLOCKS)
-ATTN_RING_ENTRY(sliding_window_attention_split_d128_ks2, 128, 2, ATTN_MIN_BLOCKS)
+ATTN_SPLIT_ENTRIES(ATTN_RING_ENTRY, sliding_window_attention)
 
 // grid (q_heads, cols, rows); 128 threads.
 extern "C" __global__ void sliding_window_attention_merge(const float* ws, const int* live,

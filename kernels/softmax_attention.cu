@@ -565,9 +565,22 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
     }
 }
 
+// The split entry points of attention op OP, as X(NAME, DP, KS, MIN_BLOCKS): `OP_split_d{DP}`
+// (KS = 1) and, for DP <= 128, `OP_split_d{DP}_ks2` (KS = 2: at most 32 query rows per
+// block). Mirrored by the launcher's `split_name`; both ops instantiate this one list.
+#define ATTN_SPLIT_ENTRIES(X, OP)                       \
+    X(OP##_split_d16, 16, 1, ATTN_MIN_BLOCKS)           \
+    X(OP##_split_d32, 32, 1, ATTN_MIN_BLOCKS)           \
+    X(OP##_split_d64, 64, 1, ATTN_MIN_BLOCKS)           \
+    X(OP##_split_d128, 128, 1, ATTN_MIN_BLOCKS)         \
+    X(OP##_split_d256, 256, 1, 1)                       \
+    X(OP##_split_d16_ks2, 16, 2, ATTN_MIN_BLOCKS)       \
+    X(OP##_split_d32_ks2, 32, 2, ATTN_MIN_BLOCKS)       \
+    X(OP##_split_d64_ks2, 64, 2, ATTN_MIN_BLOCKS)       \
+    X(OP##_split_d128_ks2, 128, 2, ATTN_MIN_BLOCKS)
+
 // Full-layer entry: grid (splits, kv_heads * row_blocks, rows), ATTN_THREADS threads,
-// dynamic shared memory attend::smem_bytes(DP). Entry points `_d{DP}` (KS = 1) and, for
-// DP <= 128, `_d{DP}_ks2` (KS = 2: at most 32 query rows per block).
+// dynamic shared memory attend::smem_bytes(DP).
 template <int DP, int KS>
 __device__ __forceinline__ void softmax_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
@@ -601,15 +614,7 @@ __device__ __forceinline__ void softmax_attention_split_entry(
                                               kv_heads, head_dim, pages, page_size, max_pages,  \
                                               splits, row_blocks);                              \
     }
-ATTN_FULL_ENTRY(softmax_attention_split_d16, 16, 1, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(softmax_attention_split_d32, 32, 1, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(softmax_attention_split_d64, 64, 1, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(softmax_attention_split_d128, 128, 1, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(softmax_attention_split_d256, 256, 1, 1)
-ATTN_FULL_ENTRY(softmax_attention_split_d16_ks2, 16, 2, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(softmax_attention_split_d32_ks2, 32, 2, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(softmax_attention_split_d64_ks2, 64, 2, ATTN_MIN_BLOCKS)
-ATTN_FULL_ENTRY(softmax_attention_split_d128_ks2, 128, 2, ATTN_MIN_BLOCKS)
+ATTN_SPLIT_ENTRIES(ATTN_FULL_ENTRY, softmax_attention)
 
 // grid (q_heads, cols, rows); 128 threads.
 extern "C" __global__ void softmax_attention_merge(const float* ws, const int* live,

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::head::{Epilogue, HeadKernels, cuda::launch_gemm};
+use super::head::{HeadKernels, cuda::launch_gemm};
 use super::{OP, Params};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::{Buffer, Result};
@@ -27,12 +27,6 @@ pub(crate) fn sm90a_source() -> &'static str {
     SRC.get_or_init(|| format!("#define PH_WGMMA 1\n{SOURCE}"))
 }
 
-/// Shared memory of the argmax epilogue for `nt` column tiles: warp bests and running bests
-/// (`PhArgmax<NT>::SMEM_BYTES`).
-fn epilogue_bytes(nt: usize) -> usize {
-    5 * 8 * nt * 8
-}
-
 fn kernels() -> HeadKernels {
     HeadKernels {
         op: OP,
@@ -46,10 +40,7 @@ fn kernels() -> HeadKernels {
             "proposal_argmax_gemm_nt8",
             "proposal_argmax_gemm_nt16",
         ],
-        epilogue: Epilogue {
-            bytes: epilogue_bytes,
-            wgmma_stages: 5,
-        },
+        epilogue: super::EPILOGUE,
     }
 }
 

@@ -178,9 +178,9 @@ pub(crate) fn consumers(driver: Driver) -> usize {
 
 /// Bytes of the fused GEMM's shared memory pipeline for `nt` column tiles
 /// (`PhCfg<NT, S>::PIPE_BYTES`): portable, 3 stages of a 128 x 64 head tile and an 8*nt x 64
-/// hidden tile with rows padded to 72 elements; wgmma, `stages` unpadded stages (each
-/// rounded up to 1024 bytes, which the swizzled boxes need) plus 1024 bytes of alignment
-/// slack, the stages' two mbarriers and one ticket each.
+/// hidden tile with rows padded to 72 elements; wgmma, `stages` unpadded stages ((128 + 8 nt)
+/// rows of 128 bytes: a multiple of the 1024 bytes the swizzled boxes need) plus 1024 bytes of
+/// alignment slack, the stages' two mbarriers and one ticket each.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn pipe_bytes(nt: usize, driver: Driver, stages: usize) -> usize {
     match driver {
@@ -206,11 +206,11 @@ pub(crate) fn smem_bytes(nt: usize, driver: Driver, epi: &Epilogue) -> usize {
 #[cfg(any(feature = "cuda", test))]
 pub(crate) const NT_CHOICES: [usize; 5] = [1, 2, 4, 8, 16];
 
-/// The driver for `n` columns on a backend that may (`sm90a`) use the wgmma one: wgmma
-/// whenever it is available (its producer and the second warpgroup keep the head read
-/// streaming during the epilogues, at any width).
+/// The driver on a backend that may (`sm90a`) use the wgmma one: wgmma whenever it is
+/// available, at any column count (its producer and the second warpgroup keep the head read
+/// streaming during the epilogues).
 #[cfg(any(feature = "cuda", test))]
-pub(crate) fn choose_driver(_n: usize, sm90a: bool) -> Driver {
+pub(crate) fn choose_driver(sm90a: bool) -> Driver {
     if sm90a {
         Driver::Wgmma
     } else {
@@ -258,7 +258,7 @@ pub(crate) fn plan_tiles(
         choose_nt(n, &NT_CHOICES, limit, |nt| smem_bytes(nt, driver, epi)).map(|nt| (driver, nt))
     };
     let portable = fit(Driver::Portable);
-    if choose_driver(n, sm90a) == Driver::Wgmma
+    if choose_driver(sm90a) == Driver::Wgmma
         && let Some(plan) = fit(Driver::Wgmma)
         && portable.is_none_or(|(_, nt)| plan.1 >= nt)
     {
@@ -497,15 +497,9 @@ mod tests {
         assert_eq!(choose_nt(1, c, 1000, pb), None);
     }
 
-    /// The two epilogues as their launchers describe them.
-    const ARGMAX: Epilogue = Epilogue {
-        bytes: |nt| 5 * 8 * nt * 8,
-        wgmma_stages: 5,
-    };
-    const TOPK: Epilogue = Epilogue {
-        bytes: |nt| 8 * nt * (16 * 8 + 4 + 32 * 8),
-        wgmma_stages: 4,
-    };
+    /// The two epilogues the launchers use.
+    const ARGMAX: Epilogue = crate::proposal_argmax::EPILOGUE;
+    const TOPK: Epilogue = crate::unary_topk::EPILOGUE;
 
     #[test]
     fn both_epilogues_fit_an_h200_block_at_every_wgmma_tile() {
@@ -566,9 +560,12 @@ mod tests {
 
     #[test]
     fn wgmma_driver_only_on_sm90a() {
-        assert_eq!(choose_driver(120, true), Driver::Wgmma);
-        assert_eq!(choose_driver(1, true), Driver::Wgmma);
-        assert_eq!(choose_driver(120, false), Driver::Portable);
+        assert_eq!(choose_driver(true), Driver::Wgmma);
+        assert_eq!(choose_driver(false), Driver::Portable);
+        assert_eq!(
+            plan_tiles(1, true, 232_448, &ARGMAX),
+            Some((Driver::Wgmma, 1))
+        );
         assert_eq!(
             (consumers(Driver::Portable), consumers(Driver::Wgmma)),
             (1, 2)

@@ -108,6 +108,14 @@ pub struct Params {
 /// Largest head row count (and public vocabulary) the proposal ops accept: 2^30.
 pub const MAX_ROWS: usize = 1 << 30;
 
+/// The argmax epilogue of the fused head GEMM: warp bests and running bests per column
+/// (`PhArgmax<NT>::SMEM_BYTES`), 5 wgmma pipeline stages (`PhArgmax<NT>::WG_STAGES`).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) const EPILOGUE: head::Epilogue = head::Epilogue {
+    bytes: |nt| 5 * 8 * nt * 8,
+    wgmma_stages: 5,
+};
+
 /// Check the shape parameters shared by `proposal_argmax` and `unary_topk`.
 pub(crate) fn check_head_params(
     op: &'static str,

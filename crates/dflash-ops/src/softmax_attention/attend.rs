@@ -656,15 +656,19 @@ mod tests {
         assert_eq!(bf16_rne_f64(2.0 - 2f64.powi(-9)).to_bits(), 0x4000);
     }
 
-    #[test]
-    fn split_count_is_static_and_bounded() {
-        let g = |rows, cols, q_heads, kv_heads| Geometry {
+    /// A geometry with head dim 128 (the official drafts').
+    fn g(rows: usize, cols: usize, q_heads: usize, kv_heads: usize) -> Geometry {
+        Geometry {
             rows,
             cols,
             q_heads,
             kv_heads,
             head_dim: 128,
-        };
+        }
+    }
+
+    #[test]
+    fn split_count_is_static_and_bounded() {
         let one = g(1, 8, 32, 8);
         assert_eq!(split_count(&one, 0), 1);
         assert_eq!(split_count(&one, 64), 1);
@@ -701,13 +705,6 @@ mod tests {
 
     #[test]
     fn key_split_pairs_only_for_two_m_tiles_of_32_key_tiles() {
-        let g = |rows, cols, q_heads, kv_heads| Geometry {
-            rows,
-            cols,
-            q_heads,
-            kv_heads,
-            head_dim: 128,
-        };
         // 35B / 27B drafts: 4 query heads per KV head. K = 7 (8 columns): 32 rows -> pairs;
         // K = 15 (16 columns): 64 rows -> one warp per m16 tile.
         assert!(key_split_pairs(&g(1, 8, 32, 8), 128));

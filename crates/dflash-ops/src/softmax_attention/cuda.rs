@@ -43,6 +43,44 @@ pub(crate) enum AttnContext<'a> {
     },
 }
 
+/// The split entry point of `op` for padded head dim `dp`, with key-split pairs or not: the
+/// names `ATTN_SPLIT_ENTRIES` instantiates (kernels/softmax_attention.cu), in its order.
+fn split_name(op: &str, dp: usize, pairs: bool) -> &'static str {
+    const FULL: [&str; 9] = [
+        "softmax_attention_split_d16",
+        "softmax_attention_split_d32",
+        "softmax_attention_split_d64",
+        "softmax_attention_split_d128",
+        "softmax_attention_split_d256",
+        "softmax_attention_split_d16_ks2",
+        "softmax_attention_split_d32_ks2",
+        "softmax_attention_split_d64_ks2",
+        "softmax_attention_split_d128_ks2",
+    ];
+    const RING: [&str; 9] = [
+        "sliding_window_attention_split_d16",
+        "sliding_window_attention_split_d32",
+        "sliding_window_attention_split_d64",
+        "sliding_window_attention_split_d128",
+        "sliding_window_attention_split_d256",
+        "sliding_window_attention_split_d16_ks2",
+        "sliding_window_attention_split_d32_ks2",
+        "sliding_window_attention_split_d64_ks2",
+        "sliding_window_attention_split_d128_ks2",
+    ];
+    let i = [16, 32, 64, 128, 256]
+        .iter()
+        .position(|&d| d == dp)
+        .unwrap_or(4);
+    // Pairs exist only for 32-key tiles (dp <= 128, see `key_split_pairs`).
+    let i = if pairs && i < 4 { 5 + i } else { i };
+    if op == "softmax_attention" {
+        FULL[i]
+    } else {
+        RING[i]
+    }
+}
+
 /// The tensors of one attention call besides the context.
 pub(crate) struct AttnCall<'a> {
     pub(crate) q: &'a Buffer<bf16>,
@@ -72,27 +110,7 @@ pub(crate) fn launch(
     workspace: &mut Buffer<f32>,
 ) -> Result<()> {
     let dp = attend::padded_head_dim(g.head_dim);
-    let pairs = attend::key_split_pairs(g, dp);
-    let name: &'static str = match (op, dp, pairs) {
-        ("softmax_attention", 16, false) => "softmax_attention_split_d16",
-        ("softmax_attention", 32, false) => "softmax_attention_split_d32",
-        ("softmax_attention", 64, false) => "softmax_attention_split_d64",
-        ("softmax_attention", 128, false) => "softmax_attention_split_d128",
-        ("softmax_attention", 16, true) => "softmax_attention_split_d16_ks2",
-        ("softmax_attention", 32, true) => "softmax_attention_split_d32_ks2",
-        ("softmax_attention", 64, true) => "softmax_attention_split_d64_ks2",
-        ("softmax_attention", 128, true) => "softmax_attention_split_d128_ks2",
-        ("softmax_attention", _, _) => "softmax_attention_split_d256",
-        (_, 16, false) => "sliding_window_attention_split_d16",
-        (_, 32, false) => "sliding_window_attention_split_d32",
-        (_, 64, false) => "sliding_window_attention_split_d64",
-        (_, 128, false) => "sliding_window_attention_split_d128",
-        (_, 16, true) => "sliding_window_attention_split_d16_ks2",
-        (_, 32, true) => "sliding_window_attention_split_d32_ks2",
-        (_, 64, true) => "sliding_window_attention_split_d64_ks2",
-        (_, 128, true) => "sliding_window_attention_split_d128_ks2",
-        _ => "sliding_window_attention_split_d256",
-    };
+    let name = split_name(op, dp, attend::key_split_pairs(g, dp));
     let merge_name: &'static str = match ctx {
         AttnContext::Paged { .. } => "softmax_attention_merge",
         AttnContext::Ring { .. } => "sliding_window_attention_merge",

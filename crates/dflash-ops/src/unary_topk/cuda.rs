@@ -7,10 +7,10 @@ use std::sync::OnceLock;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{OP, Params, TOP_K};
+use super::{OP, Params};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::proposal_argmax::cuda::SOURCE as SHARED;
-use crate::proposal_argmax::head::{Epilogue, HeadKernels, cuda::launch_gemm};
+use crate::proposal_argmax::head::{HeadKernels, cuda::launch_gemm};
 use crate::{Buffer, Result};
 
 const OWN: &str = include_str!(concat!(
@@ -33,16 +33,6 @@ pub(crate) fn sm90a_source() -> &'static str {
     SRC.get_or_init(|| format!("#define PH_WGMMA 1\n{}", source()))
 }
 
-/// Candidate slots per column and pass of the epilogue (`UT_CAP`).
-const CANDIDATE_SLOTS: usize = 32;
-
-/// Shared memory of the top-16 epilogue for `nt` column tiles: the running lists, the
-/// candidate counts and the candidate buffers (`PhTopk<NT>::SMEM_BYTES`).
-fn epilogue_bytes(nt: usize) -> usize {
-    let nc = 8 * nt;
-    nc * TOP_K * 8 + nc * 4 + nc * CANDIDATE_SLOTS * 8
-}
-
 fn kernels() -> HeadKernels {
     HeadKernels {
         op: OP,
@@ -56,10 +46,7 @@ fn kernels() -> HeadKernels {
             "unary_topk_gemm_nt8",
             "unary_topk_gemm_nt16",
         ],
-        epilogue: Epilogue {
-            bytes: epilogue_bytes,
-            wgmma_stages: 4,
-        },
+        epilogue: super::EPILOGUE,
     }
 }
 

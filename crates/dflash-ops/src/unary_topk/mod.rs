@@ -65,6 +65,20 @@ pub const OP: &str = "unary_topk";
 /// Candidates kept per column (fixed by the DFlash2 contract).
 pub const TOP_K: usize = 16;
 
+/// Candidate slots per column and pass of the CUDA epilogue (`UT_CAP`: one per holder).
+#[cfg(any(feature = "cuda", test))]
+const CANDIDATE_SLOTS: usize = 32;
+
+/// The top-16 epilogue of the fused head GEMM: the running lists, the candidate counts and
+/// the candidate buffers (`PhTopk<NT>::SMEM_BYTES`), 4 wgmma pipeline stages so that two
+/// states fit beside them (`PhTopk<NT>::WG_STAGES`).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) const EPILOGUE: crate::proposal_argmax::head::Epilogue =
+    crate::proposal_argmax::head::Epilogue {
+        bytes: |nt| 8 * nt * (TOP_K * 8 + 4 + CANDIDATE_SLOTS * 8),
+        wgmma_stages: 4,
+    };
+
 /// f32 elements the `workspace` of [`run`] must have at least: `n * 1024 * 32` (a top-16
 /// list of (value, id) partials per column for each of at most 1024 GEMM blocks).
 pub fn workspace_len(p: &Params) -> usize {
