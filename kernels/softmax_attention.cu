@@ -104,8 +104,10 @@ __device__ __forceinline__ AttnPlan attn_plan(long long n_ctx, int L, int kt, in
 // per-key mask; the flag is one ballot of the tile's key list when it is staged.
 // Scores. s = q.k in FP32; the running max m is kept in base-2 units (s * log2(e) / sqrt(D),
 // rounded once), and a weight is 2^(fma(s, log2(e) / sqrt(D), -m)).
-// P. The context P is one FP16 term (V is FP16: 11-bit weights); the block's P is two BF16
-// terms hi + lo (16 bits against the BF16 V); the softmax sum uses the same represented
+// P. Two terms hi + lo of the type of the V they multiply: FP16 against the context's F16 V,
+// BF16 against the block's BF16 V (hi = P rounded, lo = the rest rounded), so P keeps about
+// 22 (FP16) or 16 (BF16) bits; one FP16 term alone (11 bits) would lose more than the output
+// tolerance where the weighted values cancel. The softmax sum adds the same represented
 // weights.
 template <int DP, int KS, typename Ctx>
 __device__ __forceinline__ void attn_split_body(
@@ -411,9 +413,12 @@ __device__ __forceinline__ void attn_split_body(
                 const float p0 = sc[j][2 * h2], p1 = sc[j][2 * h2 + 1];
                 if (is_ctx) {
                     const __half2 ph = __floats2half2_rn(p0, p1);
+                    const float2 hf = __half22float2(ph);
+                    const __half2 pl = __floats2half2_rn(p0 - hf.x, p1 - hf.y);
+                    const float2 lf = __half22float2(pl);
                     ah[u] = *reinterpret_cast<const unsigned*>(&ph);
-                    const float2 pf = __half22float2(ph);
-                    l_run[h2] += pf.x + pf.y;
+                    al[u] = *reinterpret_cast<const unsigned*>(&pl);
+                    l_run[h2] += (hf.x + lf.x) + (hf.y + lf.y);
                 } else {
                     const __nv_bfloat16 h0 = __float2bfloat16_rn(p0), h1 = __float2bfloat16_rn(p1);
                     const __nv_bfloat16 q0 = __float2bfloat16_rn(p0 - __bfloat162float(h0));
@@ -432,7 +437,9 @@ __device__ __forceinline__ void attn_split_body(
                                  b0, b1, b2, b3);
                 if (is_ctx) {
                     df_mma_f16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
+                    df_mma_f16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
                     df_mma_f16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                    df_mma_f16(o[2 * dp + 1], al[0], al[1], al[2], al[3], b2, b3);
                 } else {
                     df_mma_bf16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
                     df_mma_bf16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);

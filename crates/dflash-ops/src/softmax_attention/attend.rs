@@ -467,8 +467,9 @@ pub(crate) fn case_outputs(g: &Geometry, live: &[i32], after: &[bf16]) -> Vec<Ca
 /// A port of the CUDA split and merge (kernels/softmax_attention.cu) at tile granularity, for
 /// tests: the same key list (context tiles, then block tiles, of `kt` keys), split plan
 /// (`tps = ceil(T / splits)`, active splits), relative key positions and window tests, base-2
-/// online softmax per tile, P as one FP16 term for context keys and two BF16 terms hi + lo for
-/// block keys, with the softmax sum over the represented terms, the workspace layout
+/// online softmax per tile (the running max is the raw max score times log2(e) / sqrt(D),
+/// rounded once; a weight is 2^fma(s, log2(e) / sqrt(D), -max)), P as two FP16 terms hi + lo
+/// for context keys and two BF16 terms hi + lo for block keys, with the softmax sum over the represented terms, the workspace layout
 /// (poisoned with NaN so reading an unwritten partial shows; active counts at the end) and the
 /// merge. Only the summation order inside a tile (the MMA's) differs from the device.
 /// `row_ctx(r)` gives the kernel's (F, ctx_lo) of row r, `slot(r, p)` the flat slot or -1;
@@ -551,13 +552,11 @@ pub(crate) fn emulate_split_kv(
                                 if !vis {
                                     return f32::NEG_INFINITY;
                                 }
-                                let dot: f32 =
-                                    (0..d).map(|e| x.q[qo + e].to_f32() * k[e]).sum::<f32>();
-                                dot * sl2
+                                (0..d).map(|e| x.q[qo + e].to_f32() * k[e]).sum::<f32>()
                             })
                             .collect();
                         let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let m_new = m_run.max(mx);
+                        let m_new = m_run.max(mx * sl2);
                         let base = if m_new == f32::NEG_INFINITY {
                             0.0
                         } else {
@@ -568,9 +567,10 @@ pub(crate) fn emulate_split_kv(
                         l_run *= corr;
                         acc.iter_mut().for_each(|a| *a *= corr);
                         for (sc, (_, _, v)) in scores.iter().zip(&keys) {
-                            let p = (sc - base).exp2();
+                            let p = sc.mul_add(sl2, -base).exp2();
                             let (hi, lo) = if is_ctx {
-                                (f16::from_f32(p).to_f32(), 0.0)
+                                let h = f16::from_f32(p).to_f32();
+                                (h, f16::from_f32(p - h).to_f32())
                             } else {
                                 let h = bf16::from_f32(p).to_f32();
                                 (h, bf16::from_f32(p - h).to_f32())

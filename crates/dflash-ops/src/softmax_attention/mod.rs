@@ -60,9 +60,10 @@
 //!   (flagged by one ballot when staged) skips the per-key mask. Q K^T and P V run on the
 //!   tensor cores (mma.m16n8k16, FP32 accumulation) with an online softmax in base 2 (the
 //!   running max is s * log2(e) / sqrt(D) rounded once, a weight is 2^fma(s, log2(e) /
-//!   sqrt(D), -max); the accumulator is rescaled only when a row's maximum grows). P is one
-//!   FP16 term against the context's F16 V and two BF16 terms (hi + lo) against the block's
-//!   BF16 V; the softmax sum adds the same represented weights.
+//!   sqrt(D), -max); the accumulator is rescaled only when a row's maximum grows). P is two
+//!   terms hi + lo of the type of the V it multiplies (FP16 against the context's F16 V, BF16
+//!   against the block's BF16 V: one FP16 term, 11 bits, loses more than the tolerance where
+//!   the weighted values cancel); the softmax sum adds the same represented weights.
 //! - Merge: each split writes FP32 partials (max, sum, accumulator) and its row's active
 //!   split count; the merge (grid (Hq, cols, rows)) loads every split's weight once, combines
 //!   the active splits exactly and writes the dead columns' zeros.
