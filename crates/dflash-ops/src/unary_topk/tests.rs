@@ -512,7 +512,7 @@ mod epilogue_model {
             holes in prop::collection::vec(0u8..16, 128 * 5),
             seed in any::<u64>(),
         ) {
-            for how in [Merge::Thread, Merge::Warp] {
+            for how in MERGES {
                 let mut rng = seed | 1;
                 let mut next = move || {
                     rng ^= rng << 13;
@@ -547,20 +547,30 @@ mod epilogue_model {
         }
     }
 
+    /// One tile whose holder h holds the elements `elem(h, row)` of rows 4h..4h+3, merged by
+    /// `how` with holders appending in `order`: the list's ids afterwards, and the list.
+    fn one_tile(
+        how: Merge,
+        order: &[usize],
+        elem: impl Fn(usize, i32) -> Entry,
+    ) -> (Vec<i32>, [Entry; K]) {
+        let mut list = [EMPTY; K];
+        let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+            .map(|h| std::array::from_fn(|k| elem(h, (4 * h + k) as i32)))
+            .collect();
+        tile(&mut list, &holders, how, |_| order.to_vec());
+        (list.iter().map(|e| e.1).collect(), list)
+    }
+
+    const MERGES: [Merge; 2] = [Merge::Thread, Merge::Warp];
+
     #[test]
     fn fewer_candidates_than_sixteen_leave_empty_entries_last() {
-        for how in [Merge::Thread, Merge::Warp] {
-            let mut list = [EMPTY; K];
-            let holders: Vec<[Entry; 4]> = (0..HOLDERS)
-                .map(|h| {
-                    std::array::from_fn(|k| {
-                        let r = (4 * h + k) as i32;
-                        if r % 20 == 3 { (1.0, r) } else { (9.0, NO_ID) }
-                    })
-                })
-                .collect();
-            tile(&mut list, &holders, how, |_| (0..HOLDERS).rev().collect());
-            let got: Vec<i32> = list.iter().map(|e| e.1).collect();
+        let reversed: Vec<usize> = (0..HOLDERS).rev().collect();
+        for how in MERGES {
+            let (got, _) = one_tile(how, &reversed, |_, r| {
+                if r % 20 == 3 { (1.0, r) } else { (9.0, NO_ID) }
+            });
             let mut want = vec![3, 23, 43, 63, 83, 103, 123];
             want.resize(K, NO_ID);
             assert_eq!(got, want, "merge {how:?}");
@@ -571,22 +581,13 @@ mod epilogue_model {
     fn nan_logits_enter_a_list_that_is_not_full_as_minus_infinity() {
         // Holder 0's four logits are NaN (max NaN: the skip must not apply while the list
         // still has empty entries); holder 1 has four real ones; the rest are no candidates.
-        for how in [Merge::Thread, Merge::Warp] {
-            let mut list = [EMPTY; K];
-            let holders: Vec<[Entry; 4]> = (0..HOLDERS)
-                .map(|h| {
-                    std::array::from_fn(|k| {
-                        let r = (4 * h + k) as i32;
-                        match h {
-                            0 => (f32::NAN, r),
-                            1 => (1.0, r),
-                            _ => (5.0, NO_ID),
-                        }
-                    })
-                })
-                .collect();
-            tile(&mut list, &holders, how, |_| (0..HOLDERS).collect());
-            let got: Vec<i32> = list.iter().map(|e| e.1).collect();
+        let order: Vec<usize> = (0..HOLDERS).collect();
+        for how in MERGES {
+            let (got, list) = one_tile(how, &order, |h, r| match h {
+                0 => (f32::NAN, r),
+                1 => (1.0, r),
+                _ => (5.0, NO_ID),
+            });
             let mut want = vec![4, 5, 6, 7, 0, 1, 2, 3];
             want.resize(K, NO_ID);
             assert_eq!(got, want, "merge {how:?}");
@@ -598,18 +599,11 @@ mod epilogue_model {
     fn a_holder_with_several_winners_gets_them_all_in_later_passes() {
         // Holder 0 holds the four best logits; every other holder holds worse ones. The first
         // pass appends one of holder 0's (its best), so the rest must come in passes 2..4.
-        for how in [Merge::Thread, Merge::Warp] {
-            let mut list = [EMPTY; K];
-            let holders: Vec<[Entry; 4]> = (0..HOLDERS)
-                .map(|h| {
-                    std::array::from_fn(|k| {
-                        let r = (4 * h + k) as i32;
-                        (if h == 0 { 100.0 + k as f32 } else { 1.0 }, r)
-                    })
-                })
-                .collect();
-            tile(&mut list, &holders, how, |_| (0..HOLDERS).collect());
-            let got: Vec<i32> = list.iter().map(|e| e.1).collect();
+        let order: Vec<usize> = (0..HOLDERS).collect();
+        for how in MERGES {
+            let (got, _) = one_tile(how, &order, |h, r| {
+                (if h == 0 { 100.0 + (r % 4) as f32 } else { 1.0 }, r)
+            });
             assert_eq!(&got[..4], &[3, 2, 1, 0], "merge {how:?}");
             assert_eq!(
                 &got[4..],
