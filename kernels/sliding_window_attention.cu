@@ -58,7 +58,7 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
     }
 ATTN_SPLIT_ENTRIES(ATTN_RING_ENTRY, sliding_window_attention)
 
-// grid (q_heads, cols, rows); 128 threads.
+// grid (q_heads, cols, rows); 32 * ATTN_MERGE_WARPS threads.
 extern "C" __global__ void sliding_window_attention_merge(const float* ws, const int* live,
                                                           __nv_bfloat16* out, int rows, int cols,
                                                           int q_heads, int head_dim, int splits) {

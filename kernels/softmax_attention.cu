@@ -21,17 +21,20 @@
 // invalid keys) STAGES - 1 tiles ahead of the one being computed (one barrier per tile).
 // Each warp computes S = Q K^T for its 16 query rows (and its share of the tile's keys) with
 // mma.m16n8k16 (BF16 in, FP32 accumulate), masks invisible keys (window, page holes, dead
-// columns) to -inf, runs an online softmax in base 2 (scores pre-scaled by log2(e) / sqrt(D);
-// the accumulator is rescaled only when a row's maximum grows) and accumulates P V with the
-// tensor cores, V used exactly as stored (attn_split_body says how P is represented).
+// columns) to -inf, runs an online softmax in base 2 (scores pre-scaled by log2(e) / sqrt(D)
+// against an integer base per row, raised lazily: attn_raise_base) and accumulates P V with the
+// tensor cores, V used exactly as stored (attn_split_body says how P is represented). Context
+// and block tiles run in two loops of one tile step instantiated for each (FP16 or BF16 P V),
+// so neither issues the other's MMAs under predicates.
 //
 // Workspace (f32 words; item = ((r * cols + i) * Hq + h) * splits + s):
-//   ws[2 * item] = m (running max, base-2 scaled units; -inf when no key was visible),
+//   ws[2 * item] = m (the row's base: an integer in base-2 scaled units, at least the max
+//   score minus ATTN_LAZY; -inf when no key was visible),
 //   ws[2 * item + 1] = l (sum of 2^(score - m)),
 //   ws[ML + item * D + d] = acc[d] (sum of 2^(score - m) * v[d]), ML = 2 * rows * cols * Hq * splits,
 //   ws[ML + ML / 2 * D + r] = the number of active splits of row r (an int's bits).
-// The merge (one block per (head, column, row)) combines the active splits exactly and
-// writes +0.0 for dead columns.
+// The merge (one block per (head, column, row), its warps sharing the splits) combines the
+// active splits with exact power-of-two factors and writes +0.0 for dead columns.
 
 #define ATTN_THREADS 128
 #define ATTN_WARPS 4
@@ -39,6 +42,30 @@
 #define ATTN_MIN_BLOCKS 3  // resident blocks per SM the register budget is sized for
 #define ATTN_NEG_INF __int_as_float((int)0xff800000u)  // -inf without <math.h> (NVRTC)
 #define ATTN_NO_KEY ((int)0x80000000)                  // kpos of an invalid key
+#define ATTN_LAZY 8.0f  // a row's base is raised only when a tile's max exceeds it by more
+
+// 2^d for an integer-valued d <= 0: exact (a power of two built from its exponent bits); 0 for
+// d < -126 and for d = -inf; NaN stays NaN.
+__device__ __forceinline__ float attn_pow2(float d) {
+    if (d >= -126.f) return __int_as_float(((int)d + 127) << 23);
+    return d != d ? d : 0.f;
+}
+
+// The running base of a row (base-2 units) after a tile whose visible max is t: unchanged
+// while t <= base + ATTN_LAZY (weights 2^(x - base) stay <= 2^ATTN_LAZY), else ceil(t). The
+// base is therefore an integer (or -inf before any visible key), every rescale of the
+// accumulators is an exact power of two, and where rescales happen does not change the result.
+__device__ __forceinline__ float attn_raise_base(float base, float t) {
+    return t > base + ATTN_LAZY ? ceilf(t) : base;
+}
+
+// 2^x (ex2.approx, results below 2^-126 flushed to zero: such a weight is zero in FP16 and
+// negligible against the row's largest weight, which is > 2^-1).
+__device__ __forceinline__ float attn_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // Tile geometry for a padded head dimension DP (a multiple of 16, >= head_dim). Mirrored by
 // `attend::tile_keys` / `attend::smem_bytes` in the launcher.
@@ -102,8 +129,10 @@ __device__ __forceinline__ AttnPlan attn_plan(long long n_ctx, int L, int kt, in
 // Masks. A tile whose keys are all valid and visible to every live column (a "full" tile:
 // every context tile of the full layer but the last, the interior of a window) skips the
 // per-key mask; the flag is one ballot of the tile's key list when it is staged.
-// Scores. s = q.k in FP32; the running max m is kept in base-2 units (s * log2(e) / sqrt(D),
-// rounded once), and a weight is 2^(fma(s, log2(e) / sqrt(D), -m)).
+// Scores. s = q.k in FP32; a tile's max is taken in base-2 units (max s * log2(e) / sqrt(D),
+// rounded once); the row's base m follows attn_raise_base (an integer, raised only when a
+// tile's max passes it by more than ATTN_LAZY), and a weight is 2^(fma(s, log2(e) / sqrt(D),
+// -m)) <= 2^ATTN_LAZY. Rescales (and the pair and merge combinations) are exact powers of two.
 // P. Two terms hi + lo of the type of the V they multiply: FP16 against the context's F16 V,
 // BF16 against the block's BF16 V (hi = P rounded, lo = the rest rounded), so P keeps about
 // 22 (FP16) or 16 (BF16) bits; one FP16 term alone (11 bits) would lose more than the output
@@ -320,7 +349,11 @@ __device__ __forceinline__ void attn_split_body(
         df_cp_commit();  // possibly empty
     }
 
-    for (int tt = t0; tt < t1; ++tt) {
+    // One tile step: wait for tile tt, stage tile tt + STAGES - 1, then (live warps) scores,
+    // mask, online softmax and P V. Context and block tiles are separate instantiations (CTX):
+    // their P V differ in type (FP16 against F16 V, BF16 against BF16 V), and one loop over
+    // both would issue both MMA chains under predicates.
+    auto step = [&](const int tt, const bool CTX) {
         const int st = (tt - t0) % STAGES;
         df_cp_wait<STAGES - 2>();
         __syncthreads();  // tile tt (and Q) visible to every thread; tile tt - 1's stage is free
@@ -329,12 +362,11 @@ __device__ __forceinline__ void attn_split_body(
             if (nt < t1) load_tile(nt, (nt - t0) % STAGES);
             df_cp_commit();
         }
-        if (!warp_live) continue;
+        if (!warp_live) return;
         const unsigned short* Ks = KVs + (2 * st) * KT * LD;
         const unsigned short* Vs = KVs + (2 * st + 1) * KT * LD;
         const int* kp = kpos + st * KT + kbeg;
-        const bool is_ctx = tt < plan.t_ctx;
-        const bool full = tfull[st] != 0;
+        const bool full = CTX && tfull[st] != 0;
         // S = Q K^T over this warp's keys of the tile.
         float sc[NKW][4];
 #pragma unroll
@@ -373,7 +405,7 @@ __device__ __forceinline__ void attn_split_body(
                         if (window > 0) {
                             // context: p - F_q > -window with p = F + kk, query at F + i;
                             // block: |j - i| < window.
-                            vis = vis && (is_ctx ? (kk - i > -window) : (abs(kk - i) < window));
+                            vis = vis && (CTX ? (kk - i > -window) : (abs(kk - i) < window));
                         }
                         const float v = vis ? sc[j][2 * h2 + e] : ATTN_NEG_INF;
                         sc[j][2 * h2 + e] = v;
@@ -383,11 +415,11 @@ __device__ __forceinline__ void attn_split_body(
             }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_run[h2], mx * sl2);
-            const float base = m_new == ATTN_NEG_INF ? 0.f : m_new;
-            const float corr = exp2f(m_run[h2] - base);  // 0 when m_run == -inf; 1 when unchanged
-            m_run[h2] = m_new;
-            if (__any_sync(0xffffffffu, corr != 1.f)) {
+            const float m_new = attn_raise_base(m_run[h2], mx * sl2);
+            if (__any_sync(0xffffffffu, m_new != m_run[h2])) {
+                // Exact; 0 from -inf; 1 for a row whose base did not change (the vote is the
+                // warp's: -inf - -inf must not reach attn_pow2).
+                const float corr = m_new == m_run[h2] ? 1.f : attn_pow2(m_run[h2] - m_new);
                 l_run[h2] *= corr;
 #pragma unroll
                 for (int dt = 0; dt < ND; ++dt) {
@@ -395,10 +427,12 @@ __device__ __forceinline__ void attn_split_body(
                     o[dt][2 * h2 + 1] *= corr;
                 }
             }
+            m_run[h2] = m_new;
+            const float base = m_new == ATTN_NEG_INF ? 0.f : m_new;
 #pragma unroll
             for (int j = 0; j < NKW; ++j) {
-                sc[j][2 * h2] = exp2f(fmaf(sc[j][2 * h2], sl2, -base));
-                sc[j][2 * h2 + 1] = exp2f(fmaf(sc[j][2 * h2 + 1], sl2, -base));
+                sc[j][2 * h2] = attn_exp2(fmaf(sc[j][2 * h2], sl2, -base));
+                sc[j][2 * h2 + 1] = attn_exp2(fmaf(sc[j][2 * h2 + 1], sl2, -base));
             }
         }
         // O += P V over this warp's keys.
@@ -411,7 +445,7 @@ __device__ __forceinline__ void attn_split_body(
                 const int j = 2 * kc2 + (u >> 1);
                 const int h2 = u & 1;
                 const float p0 = sc[j][2 * h2], p1 = sc[j][2 * h2 + 1];
-                if (is_ctx) {
+                if (CTX) {
                     const __half2 ph = __floats2half2_rn(p0, p1);
                     const float2 hf = __half22float2(ph);
                     const __half2 pl = __floats2half2_rn(p0 - hf.x, p1 - hf.y);
@@ -435,20 +469,23 @@ __device__ __forceinline__ void attn_split_body(
                 df_ldsm_x4_trans(df_smem_u32(Vs + (kbeg + kc2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
                                              dp * 16 + (lane >> 4) * 8),
                                  b0, b1, b2, b3);
-                if (is_ctx) {
+                if (CTX) {
                     df_mma_f16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
-                    df_mma_f16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
                     df_mma_f16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                    df_mma_f16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
                     df_mma_f16(o[2 * dp + 1], al[0], al[1], al[2], al[3], b2, b3);
                 } else {
                     df_mma_bf16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
-                    df_mma_bf16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
                     df_mma_bf16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                    df_mma_bf16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
                     df_mma_bf16(o[2 * dp + 1], al[0], al[1], al[2], al[3], b2, b3);
                 }
             }
         }
-    }
+    };
+    int tt = t0;
+    for (const int tc = min(t1, plan.t_ctx); tt < tc; ++tt) step(tt, true);
+    for (; tt < t1; ++tt) step(tt, false);
     df_cp_wait<0>();
 
     // Key-split pairs: the second warp of a pair hands its state to the first through shared
@@ -474,9 +511,10 @@ __device__ __forceinline__ void attn_split_body(
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
                 const float m1 = pr[h2];
+                // Integer bases: both factors exact (0 for a side that saw no key).
                 const float M = fmaxf(m_run[h2], m1);
-                const float a0 = m_run[h2] == ATTN_NEG_INF ? 0.f : exp2f(m_run[h2] - M);
-                const float a1 = m1 == ATTN_NEG_INF ? 0.f : exp2f(m1 - M);
+                const float a0 = M == ATTN_NEG_INF ? 0.f : attn_pow2(m_run[h2] - M);
+                const float a1 = M == ATTN_NEG_INF ? 0.f : attn_pow2(m1 - M);
                 m_run[h2] = M;
                 l_run[h2] = l_run[h2] * a0 + pr[2 + h2] * a1;
 #pragma unroll
@@ -514,17 +552,21 @@ __device__ __forceinline__ void attn_split_body(
     }
 }
 
-// Merge of one (head, column, row): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
-// over the row's active splits, RNE to bf16 once; dead columns (i >= live) get +0.0. The
-// split weights are computed once into shared memory (one parallel load of every (m, l)),
-// then each thread sums its elements with independent, unrolled loads.
+// Merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the row's active splits
+// (M = max m_s; the bases are integers, so every factor is an exact power of two), RNE to bf16
+// once; dead columns (i >= live) get +0.0. One block per (head, column, row) item, ATTN_MERGE_WARPS
+// warps: every warp computes the factors (lane s reads (m, l) of splits s and s + 32; shuffles
+// share them), warp w sums the splits s = w (mod ATTN_MERGE_WARPS) for 4 consecutive elements
+// per lane and 128-element chunk (one 16-byte load per split when the partials are 16-byte
+// aligned, else scalar loads), and the warps' sums are added in shared memory.
 #define ATTN_MAX_SPLITS 64
+#define ATTN_MERGE_WARPS 4
 __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
                                                 const int* __restrict__ live,
                                                 __nv_bfloat16* __restrict__ out, int rows,
                                                 int cols, int q_heads, int head_dim, int splits) {
-    __shared__ float s_w[ATTN_MAX_SPLITS];
-    __shared__ float s_den;
+    __shared__ float4 red[ATTN_MERGE_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int h = blockIdx.x, i = blockIdx.y, r = blockIdx.z;
     const int L = min(max(live[r], 0), cols);
     __nv_bfloat16* o = out + (((long long)r * cols + i) * q_heads + h) * head_dim;
@@ -533,42 +575,74 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
         return;
     }
     const long long ml_len = 2LL * rows * cols * q_heads * splits;
-    const int active =
-        min(max(__float_as_int(ws[ml_len + (ml_len / 2) * head_dim + r]), 0), min(splits, ATTN_MAX_SPLITS));
     const long long item0 = (((long long)r * cols + i) * q_heads + h) * splits;
-    if (threadIdx.x < 32) {
-        // Lane s handles splits s and s + 32.
-        const int s = threadIdx.x;
-        float ms[2], ls[2];
+    // The active count and every split's (m, l) are read at once (one round trip); the pairs of
+    // inactive splits are workspace words this call did not write and are discarded unread.
+    const int n_sp = min(splits, ATTN_MAX_SPLITS);
+    float ms[2], ls[2];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int sp = s + 32 * u;
-            ms[u] = sp < active ? ws[2 * (item0 + sp)] : ATTN_NEG_INF;
-            ls[u] = sp < active ? ws[2 * (item0 + sp) + 1] : 0.f;
-        }
-        float mx = fmaxf(ms[0], ms[1]);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        float den = 0.f;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            // A split that saw no key (m = -inf) has weight 0; so has every split when M = -inf.
-            const float w = (ms[u] == ATTN_NEG_INF || mx == ATTN_NEG_INF) ? 0.f : exp2f(ms[u] - mx);
-            den = fmaf(w, ls[u], den);
-            s_w[s + 32 * u] = w;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
-        if (s == 0) s_den = den;
+    for (int u = 0; u < 2; ++u) {
+        const int sp = lane + 32 * u;
+        const float2 p = sp < n_sp ? *reinterpret_cast<const float2*>(ws + 2 * (item0 + sp))
+                                   : make_float2(ATTN_NEG_INF, 0.f);
+        ms[u] = p.x;
+        ls[u] = p.y;
     }
-    __syncthreads();
-    const float den = s_den;
+    const int active = min(max(__float_as_int(ws[ml_len + (ml_len / 2) * head_dim + r]), 0), n_sp);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        if (lane + 32 * u >= active) {
+            ms[u] = ATTN_NEG_INF;
+            ls[u] = 0.f;
+        }
+    }
+    float mx = fmaxf(ms[0], ms[1]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float w[2], den = 0.f;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        // A split that saw no key (m = -inf) has weight 0; so has every split when M = -inf.
+        w[u] = mx == ATTN_NEG_INF ? 0.f : attn_pow2(ms[u] - mx);
+        den = fmaf(w[u], ls[u], den);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
     const float* acc = ws + ml_len + item0 * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float num = 0.f;
-#pragma unroll 8
-        for (int s = 0; s < active; ++s) num = fmaf(s_w[s], acc[(long long)s * head_dim + d], num);
-        o[d] = f2bf(den > 0.f ? num / den : 0.0f);
+    const bool vec = (head_dim & 3) == 0 && ((ml_len + item0 * head_dim) & 3) == 0;
+    for (int c0 = 0; c0 < head_dim; c0 += 128) {  // block-uniform (shuffles and barriers)
+        const int d0 = c0 + 4 * lane;
+        const bool on = d0 < head_dim;
+        float4 n = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int s = warp; s < active; s += ATTN_MERGE_WARPS) {
+            const float ws_s = __shfl_sync(0xffffffffu, s < 32 ? w[0] : w[1], s & 31);
+            const float* a = acc + (long long)s * head_dim + d0;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (on && vec) {
+                v = *reinterpret_cast<const float4*>(a);
+            } else if (on) {
+                v.x = a[0];
+                if (d0 + 1 < head_dim) v.y = a[1];
+                if (d0 + 2 < head_dim) v.z = a[2];
+                if (d0 + 3 < head_dim) v.w = a[3];
+            }
+            n.x = fmaf(ws_s, v.x, n.x);
+            n.y = fmaf(ws_s, v.y, n.y);
+            n.z = fmaf(ws_s, v.z, n.z);
+            n.w = fmaf(ws_s, v.w, n.w);
+        }
+        red[warp][lane] = n;
+        __syncthreads();
+        // Thread t finishes element c0 + t: the warps' sums in warp order.
+        const int t = threadIdx.x;
+        if (t < 128 && c0 + t < head_dim) {
+            float num = 0.f;
+#pragma unroll
+            for (int k = 0; k < ATTN_MERGE_WARPS; ++k) num += reinterpret_cast<const float*>(red[k])[t];
+            o[c0 + t] = f2bf(den > 0.f ? num / den : 0.0f);
+        }
+        __syncthreads();
     }
 }
 
@@ -623,7 +697,7 @@ __device__ __forceinline__ void softmax_attention_split_entry(
     }
 ATTN_SPLIT_ENTRIES(ATTN_FULL_ENTRY, softmax_attention)
 
-// grid (q_heads, cols, rows); 128 threads.
+// grid (q_heads, cols, rows); 32 * ATTN_MERGE_WARPS threads.
 extern "C" __global__ void softmax_attention_merge(const float* ws, const int* live,
                                                    __nv_bfloat16* out, int rows, int cols,
                                                    int q_heads, int head_dim, int splits) {

@@ -2,10 +2,12 @@
 //! geometries (synthetic weights), replayed as CUDA graphs and timed with CUDA events, against
 //! the memory floor.
 //!
-//! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING] [--portable]`:
+//! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING] [--shape B,K,CTX]
+//! [--portable]`:
 //! prints a table and writes `DIR/performance.json` (an array of `{"op", "draft", "B", "K",
 //! "context", "median_us", "floor_us"}`) and `DIR/performance.md`. `--portable` restricts the
 //! backend to the portable kernel variants (no sm_90a wgmma heads), for comparison.
+//! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
 //! `dflash-bench --profile dflash|dflash2`: one eager draft block (B=1, K=7, 2048 context)
 //! after a warm-up, for Nsight Compute (`ncu --clock-control none ...`).
 //!
@@ -688,10 +690,34 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     let info = cuda.device_info()?;
     let be = Backend::Cuda(cuda.clone());
-    let shapes: &[(usize, usize, usize)] = if quick {
+    let shape = match value("--shape")? {
+        None => None,
+        Some(v) => {
+            let n: Vec<usize> = v
+                .split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|e| anyhow!("--shape {v}: expected B,K,CTX as integers ({e})"))?;
+            match n[..] {
+                [b, k, c] if (1..=8).contains(&b) && (1..=15).contains(&k) && c >= 1 => {
+                    Some((b, k, c))
+                }
+                _ => bail!("--shape {v}: expected B,K,CTX with B in 1..=8, K in 1..=15, CTX >= 1"),
+            }
+        }
+    };
+    let listed: &[(usize, usize, usize)] = if quick {
         &[(1, 7, 2048), (8, 15, 4096)]
     } else {
         &[(1, 7, 2048), (1, 15, 4096), (8, 15, 4096)]
+    };
+    let one;
+    let shapes: &[(usize, usize, usize)] = match shape {
+        Some(s) => {
+            one = [s];
+            &one
+        }
+        None => listed,
     };
     let wanted = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
     let mut rows: Vec<Row> = Vec::new();
@@ -724,7 +750,7 @@ fn main() -> Result<()> {
             }
         }
     }
-    if wanted("attention") {
+    if wanted("attention") && shape.is_none() {
         log(bench_full(&cuda, &DRAFTS[0], 1, 7, 131_072)?, &mut rows);
     }
     if wanted("block") {
@@ -733,7 +759,7 @@ fn main() -> Result<()> {
             for &(b, k, ctx) in shapes {
                 log(bench_block(&cuda, &s, d, b, k, ctx)?, &mut rows);
             }
-            if d.backend == DraftBackend::DFlash {
+            if d.backend == DraftBackend::DFlash && shape.is_none() {
                 log(bench_block(&cuda, &s, d, 1, 7, 131_072)?, &mut rows);
             }
         }

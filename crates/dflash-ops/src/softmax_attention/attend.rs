@@ -464,12 +464,36 @@ pub(crate) fn case_outputs(g: &Geometry, live: &[i32], after: &[bf16]) -> Vec<Ca
     outs
 }
 
+/// `ATTN_LAZY`: a row's base is raised only when a tile's max exceeds it by more.
+#[cfg(test)]
+const LAZY: f32 = 8.0;
+
+/// `attn_raise_base`: the base after a tile whose visible max is `t` (base-2 units).
+#[cfg(test)]
+fn raise_base(base: f32, t: f32) -> f32 {
+    if t > base + LAZY { t.ceil() } else { base }
+}
+
+/// `attn_pow2`: 2^d for an integer-valued d <= 0, exactly; 0 below -126 and for -inf.
+#[cfg(test)]
+fn pow2(d: f32) -> f32 {
+    if d >= -126.0 {
+        f32::from_bits(((d as i32 + 127) as u32) << 23)
+    } else if d.is_nan() {
+        d
+    } else {
+        0.0
+    }
+}
+
 /// A port of the CUDA split and merge (kernels/softmax_attention.cu) at tile granularity, for
 /// tests: the same key list (context tiles, then block tiles, of `kt` keys), split plan
 /// (`tps = ceil(T / splits)`, active splits), relative key positions and window tests, base-2
-/// online softmax per tile (the running max is the raw max score times log2(e) / sqrt(D),
-/// rounded once; a weight is 2^fma(s, log2(e) / sqrt(D), -max)), P as two FP16 terms hi + lo
-/// for context keys and two BF16 terms hi + lo for block keys, with the softmax sum over the represented terms, the workspace layout
+/// online softmax per tile (a tile's max is the raw max score times log2(e) / sqrt(D), rounded
+/// once; the row's base follows [`raise_base`], so every rescale is an exact power of two; a
+/// weight is 2^fma(s, log2(e) / sqrt(D), -base), flushed to 0 below 2^-126), P as two FP16
+/// terms hi + lo for context keys and two BF16 terms hi + lo for block keys, with the softmax
+/// sum over the represented terms, the workspace layout
 /// (poisoned with NaN so reading an unwritten partial shows; active counts at the end) and the
 /// merge. Only the summation order inside a tile (the MMA's) differs from the device.
 /// `row_ctx(r)` gives the kernel's (F, ctx_lo) of row r, `slot(r, p)` the flat slot or -1;
@@ -556,18 +580,22 @@ pub(crate) fn emulate_split_kv(
                             })
                             .collect();
                         let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let m_new = m_run.max(mx * sl2);
+                        let m_new = raise_base(m_run, mx * sl2);
+                        if m_new != m_run {
+                            let corr = pow2(m_run - m_new);
+                            l_run *= corr;
+                            acc.iter_mut().for_each(|a| *a *= corr);
+                        }
+                        m_run = m_new;
                         let base = if m_new == f32::NEG_INFINITY {
                             0.0
                         } else {
                             m_new
                         };
-                        let corr = (m_run - base).exp2();
-                        m_run = m_new;
-                        l_run *= corr;
-                        acc.iter_mut().for_each(|a| *a *= corr);
                         for (sc, (_, _, v)) in scores.iter().zip(&keys) {
+                            // ex2.approx.ftz: results below 2^-126 are zero.
                             let p = sc.mul_add(sl2, -base).exp2();
+                            let p = if p < f32::MIN_POSITIVE { 0.0 } else { p };
                             let (hi, lo) = if is_ctx {
                                 let h = f16::from_f32(p).to_f32();
                                 (h, f16::from_f32(p - h).to_f32())
@@ -612,7 +640,7 @@ pub(crate) fn emulate_split_kv(
                             if ms == f32::NEG_INFINITY {
                                 continue;
                             }
-                            let w = (ms - mx).exp2();
+                            let w = pow2(ms - mx);
                             den += w * ws[2 * (item0 + s) + 1];
                             num += w * ws[ml_len + (item0 + s) * d + e];
                         }
@@ -628,6 +656,28 @@ pub(crate) fn emulate_split_kv(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rescale_factors_are_exact_powers_of_two() {
+        for d in -126i32..=0 {
+            assert_eq!(pow2(d as f32), 2f32.powi(d), "2^{d}");
+        }
+        for d in [-127.0, -1.0e30, f32::NEG_INFINITY] {
+            assert_eq!(pow2(d).to_bits(), 0, "{d}");
+        }
+        assert!(pow2(f32::NAN).is_nan());
+        // The base: set by the first visible tile (ceil), kept while a max stays within
+        // LAZY of it, raised past that.
+        assert_eq!(
+            raise_base(f32::NEG_INFINITY, f32::NEG_INFINITY),
+            f32::NEG_INFINITY
+        );
+        assert_eq!(raise_base(f32::NEG_INFINITY, -3.5), -3.0);
+        assert_eq!(raise_base(f32::NEG_INFINITY, 2.0), 2.0);
+        assert_eq!(raise_base(2.0, 10.0), 2.0);
+        assert_eq!(raise_base(2.0, 10.25), 11.0);
+        assert_eq!(raise_base(2.0, -40.0), 2.0);
+    }
 
     #[test]
     fn f64_rounding_is_single_rne() {

@@ -19,8 +19,9 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 /// Threads of a split block (four warps, one m16 query tile each: `ATTN_THREADS`).
 const SPLIT_THREADS: u32 = 128;
 
-/// Threads of a merge block (one per head element, looping past 128).
-const MERGE_THREADS: u32 = 128;
+/// Warps of a merge block (one block per (head, column, row), the warps share its splits:
+/// `ATTN_MERGE_WARPS`).
+const MERGE_WARPS: u32 = 4;
 
 /// Where a row's context lives: the only thing that differs between the two ops.
 pub(crate) enum AttnContext<'a> {
@@ -225,7 +226,7 @@ pub(crate) fn launch(
     let merge = c.function(op, source, merge_name)?;
     let merge_cfg = LaunchConfig {
         grid_dim: (g.q_heads as u32, g.cols as u32, g.rows as u32),
-        block_dim: (MERGE_THREADS, 1, 1),
+        block_dim: (32 * MERGE_WARPS, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut b = c.stream().launch_builder(&merge);

@@ -58,15 +58,19 @@
 //!   `_d{DP}_ks2`, a compile-time choice), warp pairs split every tile's keys and combine
 //!   their states at the end. A tile whose keys are all valid and visible to every live column
 //!   (flagged by one ballot when staged) skips the per-key mask. Q K^T and P V run on the
-//!   tensor cores (mma.m16n8k16, FP32 accumulation) with an online softmax in base 2 (the
-//!   running max is s * log2(e) / sqrt(D) rounded once, a weight is 2^fma(s, log2(e) /
-//!   sqrt(D), -max); the accumulator is rescaled only when a row's maximum grows). P is two
+//!   tensor cores (mma.m16n8k16, FP32 accumulation) with an online softmax in base 2 (a
+//!   tile's max is s * log2(e) / sqrt(D) rounded once; each row keeps an integer base, raised
+//!   to the ceiling of a tile's max only when that max passes it by more than 8, so weights
+//!   2^fma(s, log2(e) / sqrt(D), -base) stay <= 2^8 and every rescale is an exact power of
+//!   two). Context and block tiles are two instantiations of one tile step (FP16 or BF16
+//!   P V), never both under predicates. P is two
 //!   terms hi + lo of the type of the V it multiplies (FP16 against the context's F16 V, BF16
 //!   against the block's BF16 V: one FP16 term, 11 bits, loses more than the tolerance where
 //!   the weighted values cancel); the softmax sum adds the same represented weights.
 //! - Merge: each split writes FP32 partials (max, sum, accumulator) and its row's active
-//!   split count; the merge (grid (Hq, cols, rows)) loads every split's weight once, combines
-//!   the active splits exactly and writes the dead columns' zeros.
+//!   split count; the merge (grid (Hq, cols, rows), four warps sharing an item's splits)
+//!   reads the active count and every (max, sum) in one round trip, combines the active
+//!   splits with exact power-of-two factors and writes the dead columns' zeros.
 //! - Head dims are padded to 16, 32, 64, 128 or 256 with zeros in shared memory; D % 8 != 0
 //!   uses 4-byte copies; context slots are addressed in 32 bits (pages * page_size and lanes *
 //!   window at most 2^31 - 1 on CUDA).

@@ -553,6 +553,28 @@ fn workspace_size_and_split_count_are_static() {
     assert_eq!(split_count(&big), 64);
 }
 
+/// Scores that grow by far more than the lazy margin late in the key list (the last used page
+/// of every row holds keys 64 times larger): the base is raised mid-row and mid-split, and the
+/// rescaled partials still match the definition, at every split count and tile size.
+#[test]
+fn split_kv_port_matches_reference_when_scores_jump() {
+    let mut fx = Fx::random(2, 3, 4, 2, 8, 4, vec![37, 22], vec![3, 2], 0x5eed);
+    for r in 0..2 {
+        let f = fx.start_pos[r] as usize;
+        for pos in (f - f % 4).min(f - 1)..f {
+            for kvh in 0..2 {
+                for e in 0..8 {
+                    let i = fx.ci(r, pos, kvh, e);
+                    fx.pages_k[i] = bf16::from_f32(fx.pages_k[i].to_f32() * 64.0);
+                }
+            }
+        }
+    }
+    for (splits, kt) in [(1, 1), (1, 4), (3, 2), (7, 16), (64, 1)] {
+        assert_port_matches(&fx, splits, kt);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
