@@ -42,6 +42,8 @@
 #define ATTN_MIN_BLOCKS 3  // resident blocks per SM the register budget is sized for
 #define ATTN_NEG_INF __int_as_float((int)0xff800000u)  // -inf without <math.h> (NVRTC)
 #define ATTN_NO_KEY ((int)0x80000000)                  // kpos of an invalid key
+#define ATTN_ONES_F16 0x3c003c00u   // two FP16 ones (a B fragment of ones)
+#define ATTN_ONES_BF16 0x3f803f80u  // two BF16 ones
 #define ATTN_LAZY 8.0f  // a row's base is raised only when a tile's max exceeds it by more
 
 // 2^d for an integer-valued d <= 0: exact (a power of two built from its exponent bits); 0 for
@@ -137,7 +139,7 @@ __device__ __forceinline__ AttnPlan attn_plan(long long n_ctx, int L, int kt, in
 // BF16 against the block's BF16 V (hi = P rounded, lo = the rest rounded), so P keeps about
 // 22 (FP16) or 16 (BF16) bits; one FP16 term alone (11 bits) would lose more than the output
 // tolerance where the weighted values cancel. The softmax sum adds the same represented
-// weights.
+// weights, by the same MMAs (P times a B fragment of ones).
 template <int DP, int KS, typename Ctx>
 __device__ __forceinline__ void attn_split_body(
     const Ctx ctx, int F, int ctx_lo, int L, int window,
@@ -335,7 +337,9 @@ __device__ __forceinline__ void attn_split_body(
         row_ok[h2] = col_of[h2] < L;
     }
     float m_run[2] = {ATTN_NEG_INF, ATTN_NEG_INF};
-    float l_run[2] = {0.f, 0.f};
+    // Softmax sums: the C fragment of P x ones (row g in ls[0], row g + 8 in ls[2]; every
+    // column holds the row's sum), accumulated by the same MMAs as P V.
+    float ls[4] = {0.f, 0.f, 0.f, 0.f};
     float o[ND][4];
 #pragma unroll
     for (int dt = 0; dt < ND; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
@@ -420,7 +424,8 @@ __device__ __forceinline__ void attn_split_body(
                 // Exact; 0 from -inf; 1 for a row whose base did not change (the vote is the
                 // warp's: -inf - -inf must not reach attn_pow2).
                 const float corr = m_new == m_run[h2] ? 1.f : attn_pow2(m_run[h2] - m_new);
-                l_run[h2] *= corr;
+                ls[2 * h2] *= corr;
+                ls[2 * h2 + 1] *= corr;
 #pragma unroll
                 for (int dt = 0; dt < ND; ++dt) {
                     o[dt][2 * h2] *= corr;
@@ -449,19 +454,22 @@ __device__ __forceinline__ void attn_split_body(
                     const __half2 ph = __floats2half2_rn(p0, p1);
                     const float2 hf = __half22float2(ph);
                     const __half2 pl = __floats2half2_rn(p0 - hf.x, p1 - hf.y);
-                    const float2 lf = __half22float2(pl);
                     ah[u] = *reinterpret_cast<const unsigned*>(&ph);
                     al[u] = *reinterpret_cast<const unsigned*>(&pl);
-                    l_run[h2] += (hf.x + lf.x) + (hf.y + lf.y);
                 } else {
                     const __nv_bfloat16 h0 = __float2bfloat16_rn(p0), h1 = __float2bfloat16_rn(p1);
                     const __nv_bfloat16 q0 = __float2bfloat16_rn(p0 - __bfloat162float(h0));
                     const __nv_bfloat16 q1 = __float2bfloat16_rn(p1 - __bfloat162float(h1));
                     ah[u] = df_pack_bf16(h0, h1);
                     al[u] = df_pack_bf16(q0, q1);
-                    l_run[h2] += (__bfloat162float(h0) + __bfloat162float(q0)) +
-                                 (__bfloat162float(h1) + __bfloat162float(q1));
                 }
+            }
+            if (CTX) {
+                df_mma_f16(ls, ah[0], ah[1], ah[2], ah[3], ATTN_ONES_F16, ATTN_ONES_F16);
+                df_mma_f16(ls, al[0], al[1], al[2], al[3], ATTN_ONES_F16, ATTN_ONES_F16);
+            } else {
+                df_mma_bf16(ls, ah[0], ah[1], ah[2], ah[3], ATTN_ONES_BF16, ATTN_ONES_BF16);
+                df_mma_bf16(ls, al[0], al[1], al[2], al[3], ATTN_ONES_BF16, ATTN_ONES_BF16);
             }
 #pragma unroll
             for (int dp = 0; dp < ND / 2; ++dp) {
@@ -497,8 +505,8 @@ __device__ __forceinline__ void attn_split_body(
             float* my = xch + lane * (4 * ND + 4);
             my[0] = m_run[0];
             my[1] = m_run[1];
-            my[2] = l_run[0];
-            my[3] = l_run[1];
+            my[2] = ls[0];
+            my[3] = ls[2];
 #pragma unroll
             for (int dt = 0; dt < ND; ++dt)
 #pragma unroll
@@ -516,7 +524,7 @@ __device__ __forceinline__ void attn_split_body(
                 const float a0 = M == ATTN_NEG_INF ? 0.f : attn_pow2(m_run[h2] - M);
                 const float a1 = M == ATTN_NEG_INF ? 0.f : attn_pow2(m1 - M);
                 m_run[h2] = M;
-                l_run[h2] = l_run[h2] * a0 + pr[2 + h2] * a1;
+                ls[2 * h2] = ls[2 * h2] * a0 + pr[2 + h2] * a1;
 #pragma unroll
                 for (int dt = 0; dt < ND; ++dt) {
                     o[dt][2 * h2] = o[dt][2 * h2] * a0 + pr[4 + 4 * dt + 2 * h2] * a1;
@@ -530,9 +538,7 @@ __device__ __forceinline__ void attn_split_body(
     if (!warp_live) return;
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
-        float l = l_run[h2];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float l = ls[2 * h2];
         if (!row_ok[h2]) continue;
         const int gm = row0 + mrow0 + g + 8 * h2;
         const int i = col_of[h2], h = kvh * group + (gm - i * group);
