@@ -11,7 +11,8 @@
 // After a tile, passes run until no holder has an unappended logit that beats its column's
 // threshold (in the total order):
 // - a holder first skips the column when the max of its 4 logits is below a threshold that
-//   is not -inf (one compare: the steady state);
+//   is not -inf (one compare: the steady state), or equals it while none of its ids is below
+//   the threshold's (ties: zero or duplicate head rows);
 // - otherwise it appends its best not-yet-appended logit that beats the threshold to the
 //   column's candidate buffer (a shared-memory atomic slot), and asks for another pass if a
 //   second one beats it too. So a pass appends at most 32 candidates per column (the buffer
@@ -127,6 +128,7 @@ struct PhTopk {
         int ids[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) ids[k] = rw.id(ph_row(r0, k >> 1, k & 1), row_end);
+        const int id_min = min(min(ids[0], ids[1]), min(ids[2], ids[3]));
         // Bit 4 * (2 * nt + e) + k (of word nt / 4): appended already (or not a candidate).
         unsigned done[(NT + 3) / 4];
         unsigned none = 0u;
@@ -151,6 +153,10 @@ struct PhTopk {
                     const float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
                     if (tv != PH_NEG_INF && !(mx >= tv)) continue;
                     const int ti = li[(UT_K - 1) * NC + c];
+                    // A logit equal to the threshold beats it only with a lower id: a holder
+                    // whose max ties and whose ids are all at or above the threshold's has
+                    // nothing to append (zero or duplicate head rows give such ties).
+                    if (tv != PH_NEG_INF && mx == tv && id_min >= ti) continue;
                     const unsigned d = done[nt >> 2] >> sh;
                     int best = -1, passing = 0;
                     float bv = PH_NEG_INF;

@@ -124,8 +124,11 @@ fn time_graph(
     Ok(median(times))
 }
 
-/// A device buffer of `len` pseudo-random values in [-amp, amp) (a 4M-element host pattern
-/// tiled by device copies; the values only need to be realistic, not independent).
+/// A device buffer of `len` pseudo-random values in [-amp, amp): a 4M-element host pattern
+/// tiled by device copies, copy k rotated by k * 1031 elements (a prime, so no two rows of a
+/// matrix wider than that repeat: an unrotated tiling repeated the head's rows every 2048, and
+/// then every tile a top-16 block saw held copies of its current best logits, work a trained
+/// head never causes). The values only need to be realistic, not independent.
 fn random_buf<T: Element>(
     be: &Backend,
     len: usize,
@@ -144,11 +147,18 @@ fn random_buf<T: Element>(
         .collect();
     let src = be.upload(&host)?;
     let mut buf = be.zeros::<T>(len)?;
-    let mut off = 0;
+    let (mut off, mut k) = (0, 0usize);
     while off < len {
         let n = pat.min(len - off);
-        be.copy(&src, 0, &mut buf, off, n)?;
+        // Copy k: pattern[rot..] then pattern[..rot], the first n elements of that.
+        let rot = k.wrapping_mul(1031) % pat;
+        let first = n.min(pat - rot);
+        be.copy(&src, rot, &mut buf, off, first)?;
+        if n > first {
+            be.copy(&src, 0, &mut buf, off + first, n - first)?;
+        }
         off += n;
+        k += 1;
     }
     Ok(buf)
 }

@@ -34,10 +34,11 @@
 //! per column in shared memory, whose 16th entry is the column's threshold. A column's 128
 //! logits of a tile are held by 32 threads, 4 each. After every tile, passes run until no
 //! holder has a logit left that beats its column's threshold: a holder skips the column with
-//! one compare when the max of its 4 logits is below a full list's threshold; otherwise it
-//! appends its best logit that beats the threshold to the column's candidate buffer (32
-//! slots: one per holder, so it never overflows) and asks for another pass if a second one
-//! does. The candidates are then merged into the list: from 64 columns on by the column's own
+//! one compare when the max of its 4 logits is below a full list's threshold (or equals it
+//! while none of its ids is below the threshold's: ties, as zero or duplicate head rows give,
+//! beat it only with a lower id); otherwise it appends its best logit that beats the
+//! threshold to the column's candidate buffer (32 slots: one per holder, so it never
+//! overflows) and asks for another pass if a second one does. The candidates are then merged into the list: from 64 columns on by the column's own
 //! thread (the list in registers, one compare-and-shift insertion each, all columns at once),
 //! below that by one warp per column, by rank. This is exact because thresholds only rise.
 //! Each warpgroup writes its list per column; the merge (one block per column) takes the top

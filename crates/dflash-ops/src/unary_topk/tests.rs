@@ -448,6 +448,12 @@ mod epilogue_model {
                 if threshold.0 != f32::NEG_INFINITY && below {
                     continue;
                 }
+                // A tie beats the threshold only with a lower id (the holder's lowest id,
+                // done elements included).
+                let id_min = x.iter().map(|e| e.1).min().unwrap_or(NO_ID);
+                if threshold.0 != f32::NEG_INFINITY && mx == threshold.0 && id_min >= threshold.1 {
+                    continue;
+                }
                 let mut best: Option<(usize, Entry)> = None;
                 let mut passing = 0;
                 for k in 0..4 {
