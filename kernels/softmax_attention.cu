@@ -53,6 +53,13 @@ __device__ __forceinline__ float attn_pow2(float d) {
     return d != d ? d : 0.f;
 }
 
+// The factor 2^(m - M) that moves a state of base m to base M >= m (both integers or -inf):
+// exact, and 0 for a state that saw no key (m = -inf, whatever M is). Used by every rescale:
+// the tile step, the key-split pair combination and the merge.
+__device__ __forceinline__ float attn_scale(float m, float M) {
+    return m == ATTN_NEG_INF ? 0.f : attn_pow2(m - M);
+}
+
 // The running base of a row (base-2 units) after a tile whose visible max is t: unchanged
 // while t <= base + ATTN_LAZY (weights 2^(x - base) stay <= 2^ATTN_LAZY), else ceil(t). The
 // base is therefore an integer (or -inf before any visible key), every rescale of the
@@ -354,9 +361,10 @@ __device__ __forceinline__ void attn_split_body(
     }
 
     // One tile step: wait for tile tt, stage tile tt + STAGES - 1, then (live warps) scores,
-    // mask, online softmax and P V. Context and block tiles are separate instantiations (CTX):
-    // their P V differ in type (FP16 against F16 V, BF16 against BF16 V), and one loop over
-    // both would issue both MMA chains under predicates.
+    // mask, online softmax and P V. It is called with a constant CTX from two loops (context
+    // tiles, then block tiles) and inlined, so each loop holds only its own P V chain (FP16
+    // against F16 V, BF16 against BF16 V); one loop over both tile kinds issued both chains
+    // under predicates.
     auto step = [&](const int tt, const bool CTX) {
         const int st = (tt - t0) % STAGES;
         df_cp_wait<STAGES - 2>();
@@ -421,9 +429,8 @@ __device__ __forceinline__ void attn_split_body(
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = attn_raise_base(m_run[h2], mx * sl2);
             if (__any_sync(0xffffffffu, m_new != m_run[h2])) {
-                // Exact; 0 from -inf; 1 for a row whose base did not change (the vote is the
-                // warp's: -inf - -inf must not reach attn_pow2).
-                const float corr = m_new == m_run[h2] ? 1.f : attn_pow2(m_run[h2] - m_new);
+                // The vote is the warp's: rows whose base did not change get 1 (or 0 on zeros).
+                const float corr = attn_scale(m_run[h2], m_new);
                 ls[2 * h2] *= corr;
                 ls[2 * h2 + 1] *= corr;
 #pragma unroll
@@ -519,10 +526,9 @@ __device__ __forceinline__ void attn_split_body(
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
                 const float m1 = pr[h2];
-                // Integer bases: both factors exact (0 for a side that saw no key).
                 const float M = fmaxf(m_run[h2], m1);
-                const float a0 = M == ATTN_NEG_INF ? 0.f : attn_pow2(m_run[h2] - M);
-                const float a1 = M == ATTN_NEG_INF ? 0.f : attn_pow2(m1 - M);
+                const float a0 = attn_scale(m_run[h2], M);
+                const float a1 = attn_scale(m1, M);
                 m_run[h2] = M;
                 ls[2 * h2] = ls[2 * h2] * a0 + pr[2 + h2] * a1;
 #pragma unroll
@@ -608,8 +614,7 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
     float w[2], den = 0.f;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-        // A split that saw no key (m = -inf) has weight 0; so has every split when M = -inf.
-        w[u] = mx == ATTN_NEG_INF ? 0.f : attn_pow2(ms[u] - mx);
+        w[u] = attn_scale(ms[u], mx);  // 0 for a split that saw no key (and when all saw none)
         den = fmaf(w[u], ls[u], den);
     }
 #pragma unroll

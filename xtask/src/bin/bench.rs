@@ -125,9 +125,10 @@ fn time_graph(
 }
 
 /// A device buffer of `len` pseudo-random values in [-amp, amp): a 4M-element host pattern
-/// tiled by device copies, copy k rotated by k * 1031 elements (a prime, so no two rows of a
-/// matrix wider than that repeat: an unrotated tiling repeated the head's rows every 2048, and
-/// then every tile a top-16 block saw held copies of its current best logits, work a trained
+/// tiled by device copies, copy k rotated by k * 1031 elements. 1031 is odd, so for fewer than
+/// 1024 copies no row of one copy starts where a row of another does, for any row width that
+/// is a multiple of 1024 (an unrotated tiling repeated the head's rows every 2048, and then
+/// every tile a top-16 warpgroup saw held copies of its current best logits, work a trained
 /// head never causes). The values only need to be realistic, not independent.
 fn random_buf<T: Element>(
     be: &Backend,
@@ -721,14 +722,7 @@ fn main() -> Result<()> {
     } else {
         &[(1, 7, 2048), (1, 15, 4096), (8, 15, 4096)]
     };
-    let one;
-    let shapes: &[(usize, usize, usize)] = match shape {
-        Some(s) => {
-            one = [s];
-            &one
-        }
-        None => listed,
-    };
+    let shapes: Vec<(usize, usize, usize)> = shape.map_or_else(|| listed.to_vec(), |s| vec![s]);
     let wanted = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
     let mut rows: Vec<Row> = Vec::new();
     let t0 = std::time::Instant::now();
@@ -748,7 +742,7 @@ fn main() -> Result<()> {
         rows.push(r);
     };
     for d in &DRAFTS {
-        for &(b, k, ctx) in shapes {
+        for &(b, k, ctx) in &shapes {
             if wanted("attention") {
                 log(bench_sliding(&cuda, d, b, k, ctx)?, &mut rows);
                 log(bench_full(&cuda, d, b, k, ctx)?, &mut rows);
@@ -766,7 +760,7 @@ fn main() -> Result<()> {
     if wanted("block") {
         for d in &DRAFTS {
             let s = setup(&be, d.backend)?;
-            for &(b, k, ctx) in shapes {
+            for &(b, k, ctx) in &shapes {
                 log(bench_block(&cuda, &s, d, b, k, ctx)?, &mut rows);
             }
             if d.backend == DraftBackend::DFlash && shape.is_none() {

@@ -486,6 +486,17 @@ fn pow2(d: f32) -> f32 {
     }
 }
 
+/// `attn_scale`: 2^(m - base) moving a state of base `m` to `base` >= m, exactly; 0 when
+/// `m` is -inf (a state that saw no key).
+#[cfg(test)]
+fn scale(m: f32, base: f32) -> f32 {
+    if m == f32::NEG_INFINITY {
+        0.0
+    } else {
+        pow2(m - base)
+    }
+}
+
 /// A port of the CUDA split and merge (kernels/softmax_attention.cu) at tile granularity, for
 /// tests: the same key list (context tiles, then block tiles, of `kt` keys), split plan
 /// (`tps = ceil(T / splits)`, active splits), relative key positions and window tests, base-2
@@ -582,7 +593,7 @@ pub(crate) fn emulate_split_kv(
                         let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                         let m_new = raise_base(m_run, mx * sl2);
                         if m_new != m_run {
-                            let corr = pow2(m_run - m_new);
+                            let corr = scale(m_run, m_new);
                             l_run *= corr;
                             acc.iter_mut().for_each(|a| *a *= corr);
                         }
@@ -640,7 +651,7 @@ pub(crate) fn emulate_split_kv(
                             if ms == f32::NEG_INFINITY {
                                 continue;
                             }
-                            let w = pow2(ms - mx);
+                            let w = scale(ms, mx);
                             den += w * ws[2 * (item0 + s) + 1];
                             num += w * ws[ml_len + (item0 + s) * d + e];
                         }
@@ -666,6 +677,11 @@ mod tests {
             assert_eq!(pow2(d).to_bits(), 0, "{d}");
         }
         assert!(pow2(f32::NAN).is_nan());
+        // Moving a state to a base: a state that saw no key weighs 0, even against -inf.
+        assert_eq!(scale(f32::NEG_INFINITY, f32::NEG_INFINITY).to_bits(), 0);
+        assert_eq!(scale(f32::NEG_INFINITY, 3.0).to_bits(), 0);
+        assert_eq!(scale(-2.0, 3.0), 2f32.powi(-5));
+        assert_eq!(scale(3.0, 3.0), 1.0);
         // The base: set by the first visible tile (ceil), kept while a max stays within
         // LAZY of it, raised past that.
         assert_eq!(

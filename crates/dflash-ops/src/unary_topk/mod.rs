@@ -38,9 +38,10 @@
 //! while none of its ids is below the threshold's: ties, as zero or duplicate head rows give,
 //! beat it only with a lower id); otherwise it appends its best logit that beats the
 //! threshold to the column's candidate buffer (32 slots: one per holder, so it never
-//! overflows) and asks for another pass if a second one does. The candidates are then merged into the list: from 64 columns on by the column's own
-//! thread (the list in registers, one compare-and-shift insertion each, all columns at once),
-//! below that by one warp per column, by rank. This is exact because thresholds only rise.
+//! overflows) and asks for another pass if a second one does. The candidates are then merged
+//! into the list: from 64 columns on by the column's own thread (the list in registers, one
+//! compare-and-shift insertion each, all columns at once), below that by one warp per
+//! column, by rank. This is exact because thresholds only rise.
 //! Each warpgroup writes its list per column; the merge (one block per column) takes the top
 //! 16 of the P * 16 partials.
 
