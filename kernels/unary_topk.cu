@@ -13,11 +13,14 @@
 // - a holder first skips the column when the max of its 4 logits is below a threshold that
 //   is not -inf (one compare: the steady state), or equals it while none of its ids is below
 //   the threshold's (ties: zero or duplicate head rows);
-// - otherwise it appends its best not-yet-appended logit that beats the threshold to the
-//   column's candidate buffer (a shared-memory atomic slot), and asks for another pass if a
-//   second one beats it too. So a pass appends at most 32 candidates per column (the buffer
-//   never overflows) and the best ones first, which raises the thresholds fast on a block's
-//   first tile, whose lists start empty;
+// - while the column's list still has empty entries (threshold -inf: a block's first tile),
+//   it appends only its best not-yet-appended logit that beats the threshold and asks for
+//   another pass if a second one beats it too, so such a pass appends the best ones first
+//   and at most 32 (one per holder);
+// - once the list is full, it appends every not-yet-appended logit that beats the threshold
+//   at once: one shared-memory atomic reserves their consecutive slots of the column's
+//   candidate buffer; those whose slot is past its UT_CAP entries stay unappended and ask for
+//   another pass. In the steady state one pass takes a tile's few winners;
 // - the candidates are merged into the list: for 64 columns and more by the column's own
 //   thread (the list in registers, one compare-and-shift insertion per candidate: all
 //   columns at once, no shuffles); for fewer columns by one warp per column, by rank (an
@@ -29,7 +32,7 @@
 // list per thread, then 16 rounds of a block-wide argmax over the list heads).
 
 #define UT_K 16
-#define UT_CAP 32  // candidate slots per column and pass: one per holder
+#define UT_CAP 32  // candidate slots per column and pass (one per holder while the list is not full)
 #define UT_THREAD_MERGE_NC 64  // columns from which each column's thread merges its own list
 
 // Insert (v, id) into the sorted (best first) register list if it beats the last entry.
@@ -158,6 +161,28 @@ struct PhTopk {
                     // nothing to append (zero or duplicate head rows give such ties).
                     if (tv != PH_NEG_INF && mx == tv && id_min >= ti) continue;
                     const unsigned d = done[nt >> 2] >> sh;
+                    if (tv != PH_NEG_INF) {  // a full list: every winner at once
+                        // (NaN beats no threshold that is not -inf: it needs no mapping here.)
+                        unsigned win = 0u;
+#pragma unroll
+                        for (int k = 0; k < 4; ++k)
+                            win |= (!((d >> k) & 1u) && ph_beats(x[k], ids[k], tv, ti)) ? 1u << k : 0u;
+                        if (win == 0u) continue;
+                        int slot = atomicAdd(&cnt[c], __popc(win));  // may pass UT_CAP: overflow
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            if (!((win >> k) & 1u)) continue;
+                            if (slot < UT_CAP) {
+                                cv[slot * NC + c] = x[k];
+                                ci[slot * NC + c] = ids[k];
+                                done[nt >> 2] |= 1u << (sh + k);
+                            } else {
+                                more = 1;  // stays unappended: the next pass, at a higher threshold
+                            }
+                            ++slot;
+                        }
+                        continue;
+                    }
                     int best = -1, passing = 0;
                     float bv = PH_NEG_INF;
                     int bi = PH_NO_ID;

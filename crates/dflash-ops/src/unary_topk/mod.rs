@@ -36,9 +36,12 @@
 //! holder has a logit left that beats its column's threshold: a holder skips the column with
 //! one compare when the max of its 4 logits is below a full list's threshold (or equals it
 //! while none of its ids is below the threshold's: ties, as zero or duplicate head rows give,
-//! beat it only with a lower id); otherwise it appends its best logit that beats the
-//! threshold to the column's candidate buffer (32 slots: one per holder, so it never
-//! overflows) and asks for another pass if a second one does. The candidates are then merged
+//! beat it only with a lower id). While the list still has empty entries (a warpgroup's first
+//! tile) a holder appends only its best logit that beats the threshold to the column's
+//! candidate buffer (32 slots: one per holder) and asks for another pass if a second one
+//! does, so the thresholds rise fast; once the list is full it appends all its winners at
+//! once (one atomic reserves their slots; winners past the 32 slots wait for another pass, at
+//! a higher threshold), so a steady-state tile takes one pass. The candidates are then merged
 //! into the list: from 64 columns on by the column's own thread (the list in registers, one
 //! compare-and-shift insertion each, all columns at once), below that by one warp per
 //! column, by rank. This is exact because thresholds only rise.
@@ -67,7 +70,8 @@ pub const OP: &str = "unary_topk";
 /// Candidates kept per column (fixed by the DFlash2 contract).
 pub const TOP_K: usize = 16;
 
-/// Candidate slots per column and pass of the CUDA epilogue (`UT_CAP`: one per holder).
+/// Candidate slots per column and pass of the CUDA epilogue (`UT_CAP`: one per holder while
+/// the list is not full).
 #[cfg(any(feature = "cuda", test))]
 const CANDIDATE_SLOTS: usize = 32;
 
@@ -147,10 +151,81 @@ fn case(
             ProposalHead::Indexed => Some(mix.distinct_shuffled(public_vocab, rows)),
         };
         let (x, w) = exact_head_inputs(&mut mix, n, rows, hidden, public_vocab, kind, coarse);
+        run_case(
+            be,
+            n,
+            rows,
+            hidden,
+            public_vocab,
+            kind,
+            &x,
+            &w,
+            map.as_deref(),
+        )
+    }
+}
+
+/// A full head whose logits rise with the row in every column (column i: 2^(i % 5) times the
+/// row index, negated for every third column, so those columns' best rows come first): every
+/// later tile of a block beats everything before it, so each tile's 128 winners of a rising
+/// column overflow the epilogue's candidate buffer and must come in several passes. Exact:
+/// head row r is (r's top, middle and low 8 bits, 0...), each a BF16, and the hidden columns
+/// hold one power of two in their first three entries (so `rows` < 2^24 and `hidden` >= 3).
+fn rising_case(
+    n: usize,
+    rows: usize,
+    hidden: usize,
+    public_vocab: usize,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let mut x = vec![bf16::ZERO; n * hidden];
+        for i in 0..n {
+            let s = f32::from(1u8 << (i % 5)) * if i % 3 == 2 { -1.0 } else { 1.0 };
+            x[i * hidden..i * hidden + 3].fill(bf16::from_f32(s));
+        }
+        let mut w = vec![bf16::ZERO; rows * hidden];
+        for r in 0..rows {
+            let v = r as u32;
+            for (k, part) in [v & 0xff_0000, v & 0xff00, v & 0xff]
+                .into_iter()
+                .enumerate()
+            {
+                w[r * hidden + k] = bf16::from_f32(part as f32);
+            }
+        }
+        run_case(
+            be,
+            n,
+            rows,
+            hidden,
+            public_vocab,
+            ProposalHead::Full,
+            &x,
+            &w,
+            None,
+        )
+    }
+}
+
+/// Run one conformance case on `be` with these inputs: poisoned outputs and workspace, the
+/// inputs checked unchanged afterwards.
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    be: &Backend,
+    n: usize,
+    rows: usize,
+    hidden: usize,
+    public_vocab: usize,
+    kind: ProposalHead,
+    x: &[bf16],
+    w: &[bf16],
+    map: Option<&[i32]>,
+) -> Result<CaseRun> {
+    {
         let mut inputs = InputCheck::default();
-        let hx = inputs.upload(be, "hidden", &x)?;
-        let hw = inputs.upload(be, "head", &w)?;
-        let t = match &map {
+        let hx = inputs.upload(be, "hidden", x)?;
+        let hw = inputs.upload(be, "head", w)?;
+        let t = match map {
             Some(m) => Some(inputs.upload(be, "token_ids", m)?),
             None => None,
         };
@@ -225,6 +300,18 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "indexed_rows_20000_public_30000_h136_n100_coarse",
             case(100, 20_000, 136, 30_000, Indexed, true, 9),
+        ),
+        // Rising logits: every tile's winners overflow the candidate buffer (thread merge at
+        // 120 columns, warp merge at 9).
+        Case::new(
+            OP,
+            "full_rising_rows_60000_h64_n120",
+            rising_case(120, 60_000, 64, 59_993),
+        ),
+        Case::new(
+            OP,
+            "full_rising_rows_60000_h64_n9",
+            rising_case(9, 60_000, 64, 59_993),
         ),
         Case::new(
             OP,

@@ -384,10 +384,7 @@ mod epilogue_model {
     }
 
     fn merge(list: &mut [Entry; K], cands: &[Entry], how: Merge) {
-        assert!(
-            cands.len() <= CAP,
-            "a pass appends at most one candidate per holder"
-        );
+        assert!(cands.len() <= CAP, "a pass appends at most CAP candidates");
         match how {
             Merge::Thread => cands.iter().for_each(|&x| push(list, x)),
             Merge::Warp => {
@@ -423,21 +420,25 @@ mod epilogue_model {
     }
 
     /// `tile`: `holders[h]` are the 4 (logit, id) elements of holder h (id NO_ID: not a
-    /// candidate; NaN ranks as -inf); `order(pass)` permutes the holders' appends.
+    /// candidate; NaN ranks as -inf); `order(pass)` permutes the holders' appends. Returns the
+    /// number of passes.
     fn tile(
         list: &mut [Entry; K],
         holders: &[[Entry; 4]],
         how: Merge,
         mut order: impl FnMut(usize) -> Vec<usize>,
-    ) {
+    ) -> usize {
         let mut done: Vec<[bool; 4]> = holders.iter().map(|h| h.map(|e| e.1 == NO_ID)).collect();
         for pass in 0.. {
-            assert!(
-                pass <= 4,
-                "a holder appends one element per pass: at most 4 passes"
-            );
+            // While the list is not full a holder appends one element per pass (at most 4
+            // such passes); after that a pass either appends all its winners or fills the
+            // buffer (CAP of the tile's 128 elements: at most 4 such passes), and one more
+            // ends the tile.
+            assert!(pass <= 8, "at most 9 passes per tile");
             let threshold = list[K - 1];
+            let full = threshold.0 != f32::NEG_INFINITY;
             let mut buf = Vec::new();
+            let mut reserved = 0usize; // the column's atomic counter: may pass CAP
             let mut more = false;
             for h in order(pass) {
                 let x = holders[h];
@@ -452,6 +453,23 @@ mod epilogue_model {
                 // done elements included).
                 let id_min = x.iter().map(|e| e.1).min().unwrap_or(NO_ID);
                 if threshold.0 != f32::NEG_INFINITY && mx == threshold.0 && id_min >= threshold.1 {
+                    continue;
+                }
+                if full {
+                    // Every winner at once, in consecutive reserved slots; those past CAP
+                    // stay unappended for the next pass. (NaN beats no finite threshold.)
+                    let win: Vec<usize> = (0..4)
+                        .filter(|&k| !done[h][k] && beats(x[k], threshold))
+                        .collect();
+                    for (j, &k) in win.iter().enumerate() {
+                        if reserved + j < CAP {
+                            buf.push(x[k]);
+                            done[h][k] = true;
+                        } else {
+                            more = true;
+                        }
+                    }
+                    reserved += win.len();
                     continue;
                 }
                 let mut best: Option<(usize, Entry)> = None;
@@ -484,9 +502,10 @@ mod epilogue_model {
                 merge(list, &buf, how);
             }
             if !more {
-                break;
+                return pass + 1;
             }
         }
+        unreachable!("the pass loop ends by returning")
     }
 
     fn reference(all: &[Entry]) -> Vec<Entry> {
@@ -554,17 +573,27 @@ mod epilogue_model {
     }
 
     /// One tile whose holder h holds the elements `elem(h, row)` of rows 4h..4h+3, merged by
-    /// `how` with holders appending in `order`: the list's ids afterwards, and the list.
+    /// `how` into `list` with holders appending in `order`: the number of passes.
+    fn tile_into(
+        list: &mut [Entry; K],
+        how: Merge,
+        order: &[usize],
+        elem: impl Fn(usize, i32) -> Entry,
+    ) -> usize {
+        let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+            .map(|h| std::array::from_fn(|k| elem(h, (4 * h + k) as i32)))
+            .collect();
+        tile(list, &holders, how, |_| order.to_vec())
+    }
+
+    /// [`tile_into`] an empty list: the list's ids afterwards, and the list.
     fn one_tile(
         how: Merge,
         order: &[usize],
         elem: impl Fn(usize, i32) -> Entry,
     ) -> (Vec<i32>, [Entry; K]) {
         let mut list = [EMPTY; K];
-        let holders: Vec<[Entry; 4]> = (0..HOLDERS)
-            .map(|h| std::array::from_fn(|k| elem(h, (4 * h + k) as i32)))
-            .collect();
-        tile(&mut list, &holders, how, |_| order.to_vec());
+        tile_into(&mut list, how, order, elem);
         (list.iter().map(|e| e.1).collect(), list)
     }
 
@@ -602,6 +631,43 @@ mod epilogue_model {
     }
 
     #[test]
+    fn more_winners_than_buffer_slots_wait_for_the_next_pass() {
+        // A full list of sixteen 1.0s, then a tile whose 128 logits all beat it (ascending
+        // with the row, ids 128..255): 128 winners of one column and 32 slots per pass, so
+        // the first pass overflows and the overflowed winners must come in later passes at a
+        // higher threshold (dropping them, or marking them appended, loses the best ones).
+        let order: Vec<usize> = (0..HOLDERS).collect();
+        for how in MERGES {
+            let mut list = [EMPTY; K];
+            tile_into(&mut list, how, &order, |_, r| (1.0, r));
+            assert!(list.iter().all(|e| e.0 == 1.0));
+            let passes = tile_into(&mut list, how, &order, |_, r| (2.0 + r as f32, 128 + r));
+            assert!(passes >= 2, "merge {how:?}: {passes} passes");
+            let ids: Vec<i32> = list.iter().map(|e| e.1).collect();
+            assert_eq!(ids, (240..256).rev().collect::<Vec<i32>>(), "merge {how:?}");
+        }
+    }
+
+    #[test]
+    fn a_full_list_takes_a_holders_winners_in_one_pass() {
+        // After a first tile fills the list with 0.5s, holder 5 holds the four best logits of
+        // the second tile: one pass appends all four (a second is only the final check).
+        let order: Vec<usize> = (0..HOLDERS).collect();
+        for how in MERGES {
+            let mut list = [EMPTY; K];
+            tile_into(&mut list, how, &order, |_, r| (0.5, r));
+            let passes = tile_into(&mut list, how, &order, |h, r| {
+                (if h == 5 { 9.0 - (r % 4) as f32 } else { 0.25 }, 128 + r)
+            });
+            assert_eq!(passes, 1, "merge {how:?}");
+            let ids: Vec<i32> = list.iter().map(|e| e.1).collect();
+            let mut want = vec![148, 149, 150, 151];
+            want.extend(0..12);
+            assert_eq!(ids, want, "merge {how:?}");
+        }
+    }
+
+    #[test]
     fn a_holder_with_several_winners_gets_them_all_in_later_passes() {
         // Holder 0 holds the four best logits; every other holder holds worse ones. The first
         // pass appends one of holder 0's (its best), so the rest must come in passes 2..4.
@@ -618,4 +684,34 @@ mod epilogue_model {
             );
         }
     }
+}
+
+#[test]
+fn rising_fixture_puts_the_last_public_rows_first_and_negated_columns_reversed() -> Result<()> {
+    // The conformance fixture whose later tiles beat everything before them: its reference
+    // top-16 must be the last 16 public rows (rising columns) or the first 16 (columns 2, 5,
+    // .. negated), with the scores the row index times the column's power of two.
+    let run = rising_case(9, 1000, 8, 990)(&Backend::cpu())?;
+    let (scores, ids) = (&run.outputs[0].values, &run.outputs[1].values);
+    for i in 0..9 {
+        let s = f64::from(1u8 << (i % 5)) * if i % 3 == 2 { -1.0 } else { 1.0 };
+        let want: Vec<i32> = if s > 0.0 {
+            (974..990).rev().collect()
+        } else {
+            (0..16).collect()
+        };
+        let got: Vec<i32> = ids[i * TOP_K..(i + 1) * TOP_K]
+            .iter()
+            .map(|&v| v as i32)
+            .collect();
+        assert_eq!(got, want, "column {i}");
+        for (j, &r) in want.iter().enumerate() {
+            assert_eq!(
+                scores[i * TOP_K + j],
+                s * f64::from(r),
+                "column {i} entry {j}"
+            );
+        }
+    }
+    Ok(())
 }
