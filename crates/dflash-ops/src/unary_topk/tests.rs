@@ -586,6 +586,24 @@ mod epilogue_model {
         tile(list, &holders, how, |_| order.to_vec())
     }
 
+    /// Two tiles into an empty list (`first` fills it): the second tile's passes and the
+    /// list's ids afterwards.
+    fn second_tile(
+        how: Merge,
+        first: impl Fn(usize, i32) -> Entry,
+        second: impl Fn(usize, i32) -> Entry,
+    ) -> (usize, Vec<i32>) {
+        let order: Vec<usize> = (0..HOLDERS).collect();
+        let mut list = [EMPTY; K];
+        tile_into(&mut list, how, &order, first);
+        assert!(
+            list.iter().all(|e| e.1 != NO_ID),
+            "the first tile fills the list"
+        );
+        let passes = tile_into(&mut list, how, &order, second);
+        (passes, list.iter().map(|e| e.1).collect())
+    }
+
     /// [`tile_into`] an empty list: the list's ids afterwards, and the list.
     fn one_tile(
         how: Merge,
@@ -636,14 +654,9 @@ mod epilogue_model {
         // with the row, ids 128..255): 128 winners of one column and 32 slots per pass, so
         // the first pass overflows and the overflowed winners must come in later passes at a
         // higher threshold (dropping them, or marking them appended, loses the best ones).
-        let order: Vec<usize> = (0..HOLDERS).collect();
         for how in MERGES {
-            let mut list = [EMPTY; K];
-            tile_into(&mut list, how, &order, |_, r| (1.0, r));
-            assert!(list.iter().all(|e| e.0 == 1.0));
-            let passes = tile_into(&mut list, how, &order, |_, r| (2.0 + r as f32, 128 + r));
+            let (passes, ids) = second_tile(how, |_, r| (1.0, r), |_, r| (2.0 + r as f32, 128 + r));
             assert!(passes >= 2, "merge {how:?}: {passes} passes");
-            let ids: Vec<i32> = list.iter().map(|e| e.1).collect();
             assert_eq!(ids, (240..256).rev().collect::<Vec<i32>>(), "merge {how:?}");
         }
     }
@@ -652,15 +665,13 @@ mod epilogue_model {
     fn a_full_list_takes_a_holders_winners_in_one_pass() {
         // After a first tile fills the list with 0.5s, holder 5 holds the four best logits of
         // the second tile: one pass appends all four (a second is only the final check).
-        let order: Vec<usize> = (0..HOLDERS).collect();
         for how in MERGES {
-            let mut list = [EMPTY; K];
-            tile_into(&mut list, how, &order, |_, r| (0.5, r));
-            let passes = tile_into(&mut list, how, &order, |h, r| {
-                (if h == 5 { 9.0 - (r % 4) as f32 } else { 0.25 }, 128 + r)
-            });
+            let (passes, ids) = second_tile(
+                how,
+                |_, r| (0.5, r),
+                |h, r| (if h == 5 { 9.0 - (r % 4) as f32 } else { 0.25 }, 128 + r),
+            );
             assert_eq!(passes, 1, "merge {how:?}");
-            let ids: Vec<i32> = list.iter().map(|e| e.1).collect();
             let mut want = vec![148, 149, 150, 151];
             want.extend(0..12);
             assert_eq!(ids, want, "merge {how:?}");
