@@ -37,7 +37,6 @@
 // active splits with exact power-of-two factors and writes +0.0 for dead columns.
 
 #define ATTN_THREADS 128
-#define ATTN_WARPS 4
 #define ATTN_ROWS 64
 #define ATTN_MIN_BLOCKS 3  // resident blocks per SM the register budget is sized for
 #define ATTN_NEG_INF __int_as_float((int)0xff800000u)  // -inf without <math.h> (NVRTC)

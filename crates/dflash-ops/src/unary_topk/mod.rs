@@ -151,17 +151,14 @@ fn case(
             ProposalHead::Indexed => Some(mix.distinct_shuffled(public_vocab, rows)),
         };
         let (x, w) = exact_head_inputs(&mut mix, n, rows, hidden, public_vocab, kind, coarse);
-        run_case(
-            be,
+        let p = Params {
             n,
             rows,
             hidden,
             public_vocab,
-            kind,
-            &x,
-            &w,
-            map.as_deref(),
-        )
+            head: kind,
+        };
+        run_case(be, &p, &x, &w, map.as_deref())
     }
 }
 
@@ -193,87 +190,71 @@ fn rising_case(
                 w[r * hidden + k] = bf16::from_f32(part as f32);
             }
         }
-        run_case(
-            be,
+        let p = Params {
             n,
             rows,
             hidden,
             public_vocab,
-            ProposalHead::Full,
-            &x,
-            &w,
-            None,
-        )
+            head: ProposalHead::Full,
+        };
+        run_case(be, &p, &x, &w, None)
     }
 }
 
-/// Run one conformance case on `be` with these inputs: poisoned outputs and workspace, the
-/// inputs checked unchanged afterwards.
-#[allow(clippy::too_many_arguments)]
+/// Run one conformance case of shape `params` on `be` with these inputs: poisoned outputs
+/// and workspace, the inputs checked unchanged afterwards.
 fn run_case(
     be: &Backend,
-    n: usize,
-    rows: usize,
-    hidden: usize,
-    public_vocab: usize,
-    kind: ProposalHead,
+    params: &Params,
     x: &[bf16],
     w: &[bf16],
     map: Option<&[i32]>,
 ) -> Result<CaseRun> {
-    {
-        let mut inputs = InputCheck::default();
-        let hx = inputs.upload(be, "hidden", x)?;
-        let hw = inputs.upload(be, "head", w)?;
-        let t = match map {
-            Some(m) => Some(inputs.upload(be, "token_ids", m)?),
-            None => None,
-        };
-        let params = Params {
-            n,
-            rows,
-            hidden,
-            public_vocab,
-            head: kind,
-        };
-        let mut scores = be.filled(n * TOP_K, f32::POISON)?;
-        let mut ids = be.filled(n * TOP_K, i32::POISON)?;
-        let mut ws = be.filled(workspace_len(&params), f32::POISON)?;
-        run(
-            be,
-            &hx,
-            &hw,
-            t.as_ref(),
-            &mut scores,
-            &mut ids,
-            &mut ws,
-            &params,
-        )?;
-        let mut modified = Vec::new();
-        inputs.verify(be, "hidden", &hx, &mut modified)?;
-        inputs.verify(be, "head", &hw, &mut modified)?;
-        if let Some(t) = &t {
-            inputs.verify(be, "token_ids", t, &mut modified)?;
-        }
-        let s = output(
-            "scores",
-            Criterion::Exact,
-            &vec![f32::POISON; n * TOP_K],
-            &be.download(&scores)?,
-            |_| true,
-        );
-        let d = output(
-            "ids",
-            Criterion::Exact,
-            &vec![i32::POISON; n * TOP_K],
-            &be.download(&ids)?,
-            |_| true,
-        );
-        Ok(CaseRun {
-            outputs: vec![s, d],
-            modified_inputs: modified,
-        })
+    let n = params.n;
+    let mut inputs = InputCheck::default();
+    let hx = inputs.upload(be, "hidden", x)?;
+    let hw = inputs.upload(be, "head", w)?;
+    let t = match map {
+        Some(m) => Some(inputs.upload(be, "token_ids", m)?),
+        None => None,
+    };
+    let mut scores = be.filled(n * TOP_K, f32::POISON)?;
+    let mut ids = be.filled(n * TOP_K, i32::POISON)?;
+    let mut ws = be.filled(workspace_len(params), f32::POISON)?;
+    run(
+        be,
+        &hx,
+        &hw,
+        t.as_ref(),
+        &mut scores,
+        &mut ids,
+        &mut ws,
+        params,
+    )?;
+    let mut modified = Vec::new();
+    inputs.verify(be, "hidden", &hx, &mut modified)?;
+    inputs.verify(be, "head", &hw, &mut modified)?;
+    if let Some(t) = &t {
+        inputs.verify(be, "token_ids", t, &mut modified)?;
     }
+    let s = output(
+        "scores",
+        Criterion::Exact,
+        &vec![f32::POISON; n * TOP_K],
+        &be.download(&scores)?,
+        |_| true,
+    );
+    let d = output(
+        "ids",
+        Criterion::Exact,
+        &vec![i32::POISON; n * TOP_K],
+        &be.download(&ids)?,
+        |_| true,
+    );
+    Ok(CaseRun {
+        outputs: vec![s, d],
+        modified_inputs: modified,
+    })
 }
 
 /// Conformance cases: the official Text head (248320 rows, 248077 public) with the 27B width
