@@ -106,3 +106,21 @@ __device__ __forceinline__ unsigned df_pack_bf16(__nv_bfloat16 lo, __nv_bfloat16
 __device__ __forceinline__ unsigned df_pack_f16(__half lo, __half hi) {
     return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
 }
+
+// ---- Programmatic dependent launch (sm_90 and later; no-ops below) ----
+// A kernel launched with the programmatic-stream-serialization attribute (the backend's
+// `launch_dependent`) may start before the kernel ahead of it in the stream has finished:
+// once every block of that kernel has called df_pdl_launch_dependents (or exited). Before
+// df_pdl_wait it may only read what the kernels before that one wrote; df_pdl_wait returns
+// once the kernel ahead has completed and its writes are visible. Launched without the
+// attribute, both are no-ops (the launch itself orders the two kernels).
+__device__ __forceinline__ void df_pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void df_pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}

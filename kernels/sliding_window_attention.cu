@@ -18,6 +18,24 @@ struct AttnRingCtx {
     __device__ __forceinline__ int slot(int p) const { return base + (p % window); }
 };
 
+// The extent of row r (see AttnRow): positions are i32 >= 0 and F + cols stays below 2^31 for
+// any real frontier (F is clamped so the key arithmetic cannot overflow). The union over
+// columns of the visible context is [max(0, F - S + 1), F) (column 0 sees the most); a row
+// whose lane is out of range reads no context at all (ctx_lo = F). `base` = the lane's first
+// ring slot.
+__device__ __forceinline__ AttnRow sliding_window_attention_row(const int* start_pos, const int* live,
+                                                                const int* lanes, int r, int cols,
+                                                                int n_lanes, int window, int& base) {
+    AttnRow w;
+    w.F = min(max(start_pos[r], 0), 0x7fffffff - cols - 64);
+    w.L = min(max(live[r], 0), cols);
+    const int lane_id = lanes[r];
+    const bool lane_ok = lane_id >= 0 && lane_id < n_lanes;
+    w.ctx_lo = lane_ok ? max(w.F - window + 1, 0) : w.F;
+    base = (lane_ok ? lane_id : 0) * window;
+    return w;
+}
+
 // grid (splits, kv_heads * row_blocks, rows), ATTN_THREADS threads, dynamic shared memory
 // attend::smem_bytes(DP); entry points as the full layer's (`_d{DP}`, `_d{DP}_ks2`).
 template <int DP, int KS>
@@ -29,20 +47,12 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
     const int s = blockIdx.x;
     const int kvh = blockIdx.y / row_blocks, rb = blockIdx.y % row_blocks;
     const int r = blockIdx.z;
-    // Positions are i32 >= 0; F + cols stays below 2^31 for any real frontier (clamped so the
-    // key arithmetic cannot overflow).
-    const int F = min(max(start_pos[r], 0), 0x7fffffff - cols - 64);
-    const int L = min(max(live[r], 0), cols);
-    const int lane_id = lanes[r];
-    const bool lane_ok = lane_id >= 0 && lane_id < n_lanes;
-    // The union over columns of the visible context is [max(0, F - S + 1), F) (column 0 sees
-    // the most); a row whose lane is out of range reads no context at all.
-    const int ctx_lo = lane_ok ? max(F - window + 1, 0) : F;
     AttnRingCtx ctx;
-    ctx.base = (lane_ok ? lane_id : 0) * window;
+    const AttnRow w = sliding_window_attention_row(start_pos, live, lanes, r, cols, n_lanes, window,
+                                                   ctx.base);
     ctx.window = window;
-    attn_split_body<DP, KS>(ctx, F, ctx_lo, L, window, q, k_blk, v_blk, ring_k, ring_v, ws, r, kvh,
-                        rb, s, rows, cols, q_heads, kv_heads, head_dim, splits);
+    attn_split_body<DP, KS>(ctx, w.F, w.ctx_lo, w.L, window, q, k_blk, v_blk, ring_k, ring_v, ws, r,
+                            kvh, rb, s, rows, cols, q_heads, kv_heads, head_dim, splits);
 }
 
 #define ATTN_RING_ENTRY(NAME, DP, KS, MINB)                                                        \
@@ -58,9 +68,18 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
     }
 ATTN_SPLIT_ENTRIES(ATTN_RING_ENTRY, sliding_window_attention)
 
-// grid (q_heads, cols, rows); 32 * ATTN_MERGE_WARPS threads.
-extern "C" __global__ void sliding_window_attention_merge(const float* ws, const int* live,
-                                                          __nv_bfloat16* out, int rows, int cols,
-                                                          int q_heads, int head_dim, int splits) {
-    attn_merge_body(ws, live, out, rows, cols, q_heads, head_dim, splits);
-}
+// grid (q_heads, cols, rows); 32 * ATTN_MERGE_WARPS threads; `kt` as the full layer's merge
+// (entry points `_merge_s16`, `_merge_s64`).
+#define ATTN_RING_MERGE_ENTRY(NAME, PER)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * ATTN_MERGE_WARPS) NAME(                    \
+        const float* ws, const int* start_pos, const int* live, const int* lanes,                \
+        __nv_bfloat16* out, int rows, int cols, int q_heads, int head_dim, int n_lanes,          \
+        int window, int splits, int kt) {                                                        \
+        int base;                                                                                \
+        const AttnRow w = sliding_window_attention_row(start_pos, live, lanes, blockIdx.z, cols, \
+                                                       n_lanes, window, base);                   \
+        const AttnPlan plan = attn_plan(w.F - w.ctx_lo, w.L, kt, splits);                        \
+        attn_merge_body<PER>(ws, plan.active, (int)blockIdx.y >= w.L, out, rows, cols, q_heads,  \
+                             head_dim, splits);                                                  \
+    }
+ATTN_MERGE_ENTRIES(ATTN_RING_MERGE_ENTRY, sliding_window_attention)

@@ -31,10 +31,19 @@
 //   ws[2 * item] = m (the row's base: an integer in base-2 scaled units, at least the max
 //   score minus ATTN_LAZY; -inf when no key was visible),
 //   ws[2 * item + 1] = l (sum of 2^(score - m)),
-//   ws[ML + item * D + d] = acc[d] (sum of 2^(score - m) * v[d]), ML = 2 * rows * cols * Hq * splits,
-//   ws[ML + ML / 2 * D + r] = the number of active splits of row r (an int's bits).
-// The merge (one block per (head, column, row), its warps sharing the splits) combines the
-// active splits with exact power-of-two factors and writes +0.0 for dead columns.
+//   ws[ML + item * D + d] = acc[d] (sum of 2^(score - m) * v[d]), ML = 2 * rows * cols * Hq * splits.
+// Only the active splits of a row write their items; nothing else is written.
+// The merge (one block per (head, column, row), its warps sharing the splits) recomputes the
+// row's plan from the same metadata (attn_plan on the row's extent), combines the active
+// splits with exact power-of-two factors and writes +0.0 for dead columns.
+//
+// Launch. The merge is a programmatic dependent launch of the split where the device has it
+// (sm_90 and later, see df_pdl_wait; CudaBackend::launch_dependent): every split block allows
+// it at once, so the merge's blocks are resident, and have read their row's metadata and
+// computed its plan, by the time the last split block finishes (that metadata is never
+// written by the split, and the split, an ordinary launch, started after its writers had
+// finished); each then waits for the split's completion before it reads a partial or writes
+// the output.
 
 #define ATTN_THREADS 128
 #define ATTN_ROWS 64
@@ -107,14 +116,33 @@ struct AttnPagedCtx {
     }
 };
 
-// Tiles of a row and how they are split: shared by the split body and (through the written
-// active count) the merge.
+// Tiles of a row and how they are split: computed by the split body and by the merge entry
+// points from the row's extent (AttnRow), so both agree on the active splits.
 struct AttnPlan {
     int t_ctx;   // context tiles
     int tiles;   // context + block tiles
     int tps;     // tiles per split
     int active;  // splits with work
 };
+
+// The extent of row r: its clamped frontier F, its first context position ctx_lo (the
+// context keys are [ctx_lo, F)) and its live columns L. Computed by an op's split entry and
+// its merge entry from the same metadata (so both see the same plan).
+struct AttnRow {
+    int F, ctx_lo, L;
+};
+
+// Full layer: F = start_pos[r] clamped to [0, max_pages * page_size], no window (ctx_lo = 0).
+__device__ __forceinline__ AttnRow softmax_attention_row(const int* start_pos, const int* live,
+                                                         int r, int cols, int max_pages,
+                                                         int page_size) {
+    const long long cap = (long long)max_pages * page_size;  // <= i32::MAX (checked on the host)
+    AttnRow w;
+    w.F = (int)min(max((long long)start_pos[r], 0LL), cap);
+    w.ctx_lo = 0;
+    w.L = min(max(live[r], 0), cols);
+    return w;
+}
 
 __device__ __forceinline__ AttnPlan attn_plan(long long n_ctx, int L, int kt, int splits) {
     AttnPlan p;
@@ -164,6 +192,9 @@ __device__ __forceinline__ void attn_split_body(
     int* kpos = reinterpret_cast<int*>(KVs + 2 * STAGES * KT * LD);              // [STAGES][KT]
     int* tfull = kpos + STAGES * KT;                                              // [STAGES]
 
+    // The merge may start now (a dependent launch; it waits for this kernel's completion
+    // before it reads a partial).
+    df_pdl_launch_dependents();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, qd = lane & 3;
     const int group = q_heads / kv_heads;
@@ -171,9 +202,6 @@ __device__ __forceinline__ void attn_split_body(
     const int n_ctx = F - ctx_lo;
     const AttnPlan plan = attn_plan(n_ctx, L, KT, splits);
     const long long ml_len = 2LL * rows * cols * q_heads * splits;
-    if (s == 0 && kvh == 0 && rb == 0 && tid == 0) {
-        ws[ml_len + (ml_len / 2) * head_dim + r] = __int_as_float(plan.active);
-    }
     const int row0 = rb * ATTN_ROWS;  // first query row of this block
     const int live_rows = min(ATTN_ROWS, group * L - row0);
     if (s >= plan.active || live_rows <= 0) return;
@@ -563,50 +591,77 @@ __device__ __forceinline__ void attn_split_body(
     }
 }
 
-// Merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the row's active splits
+// Merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the row's `active` splits
 // (M = max m_s; the bases are integers, so every factor is an exact power of two), RNE to bf16
-// once; dead columns (i >= live) get +0.0. One block per (head, column, row) item, ATTN_MERGE_WARPS
-// warps: every warp computes the factors (lane s reads (m, l) of splits s and s + 32; shuffles
-// share them), warp w sums the splits s = w (mod ATTN_MERGE_WARPS) for 4 consecutive elements
-// per lane and 128-element chunk (one 16-byte load per split when the partials are 16-byte
-// aligned, else scalar loads), and the warps' sums are added in shared memory.
+// once; dead columns get +0.0. One block per (head, column, row) item, ATTN_MERGE_WARPS warps.
+// After df_pdl_wait every load of a chunk of 128 elements is issued at once (one round trip):
+// lane s of every warp reads (m, l) of splits s and s + 32, and warp w the 16-byte accumulator
+// chunk (4 consecutive elements per lane) of its splits s = w (mod ATTN_MERGE_WARPS) (scalar
+// loads when the partials are not 16-byte aligned); shuffles then share the factors, warp w
+// sums its splits in increasing s, and the warps' sums are added in warp order in shared
+// memory. `active` comes from the entry point (the row's plan), never from the workspace.
+// PER (a compile-time choice of the launcher): the splits a warp sums, so the entry point
+// takes at most ATTN_MERGE_WARPS * PER splits; each thread holds PER 16-byte chunks in flight,
+// so a small PER keeps the registers (and more blocks per SM) for calls with few splits.
 #define ATTN_MAX_SPLITS 64
 #define ATTN_MERGE_WARPS 4
-__device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
-                                                const int* __restrict__ live,
+template <int PER>
+__device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, int active, bool dead,
                                                 __nv_bfloat16* __restrict__ out, int rows,
                                                 int cols, int q_heads, int head_dim, int splits) {
     __shared__ float4 red[ATTN_MERGE_WARPS][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int h = blockIdx.x, i = blockIdx.y, r = blockIdx.z;
-    const int L = min(max(live[r], 0), cols);
     __nv_bfloat16* o = out + (((long long)r * cols + i) * q_heads + h) * head_dim;
-    if (i >= L) {
+    // Every block waits (also a dead column's): the merge then completes after the split, so
+    // work queued after the op sees both finished.
+    df_pdl_wait();
+    if (dead) {
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = f2bf(0.0f);
         return;
     }
     const long long ml_len = 2LL * rows * cols * q_heads * splits;
     const long long item0 = (((long long)r * cols + i) * q_heads + h) * splits;
-    // The active count and every split's (m, l) are read at once (one round trip); the pairs of
-    // inactive splits are workspace words this call did not write and are discarded unread.
-    const int n_sp = min(splits, ATTN_MAX_SPLITS);
+    static_assert(PER * ATTN_MERGE_WARPS <= ATTN_MAX_SPLITS, "at most ATTN_MAX_SPLITS splits");
+    const int n_act = min(max(active, 0), min(splits, PER * ATTN_MERGE_WARPS));
     float ms[2], ls[2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const int sp = lane + 32 * u;
-        const float2 p = sp < n_sp ? *reinterpret_cast<const float2*>(ws + 2 * (item0 + sp))
-                                   : make_float2(ATTN_NEG_INF, 0.f);
+        const float2 p = sp < n_act ? *reinterpret_cast<const float2*>(ws + 2 * (item0 + sp))
+                                    : make_float2(ATTN_NEG_INF, 0.f);
         ms[u] = p.x;
         ls[u] = p.y;
     }
-    const int active = min(max(__float_as_int(ws[ml_len + (ml_len / 2) * head_dim + r]), 0), n_sp);
+    const float* acc = ws + ml_len + item0 * head_dim;
+    const bool vec = (head_dim & 3) == 0 && ((ml_len + item0 * head_dim) & 3) == 0;
+    float4 v[PER];
+    // This warp's splits' elements d0 .. d0 + 3 (zeros past the active splits and head_dim).
+    auto load_chunk = [&](int c0) {
+        const int d0 = c0 + 4 * lane;
+        const float* a0 = acc + d0;
+        const bool on = d0 < head_dim;
+        if (vec) {  // one branch for all the loads (they stay in flight together)
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        if (lane + 32 * u >= active) {
-            ms[u] = ATTN_NEG_INF;
-            ls[u] = 0.f;
+            for (int j = 0; j < PER; ++j) {
+                const int s = warp + j * ATTN_MERGE_WARPS;  // s * head_dim < 2^31 (s < 64)
+                v[j] = on && s < n_act ? *reinterpret_cast<const float4*>(a0 + s * head_dim)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < PER; ++j) {
+                const int s = warp + j * ATTN_MERGE_WARPS;
+                const float* a = a0 + s * head_dim;
+                const bool ok = on && s < n_act;
+                v[j].x = ok ? a[0] : 0.f;
+                v[j].y = ok && d0 + 1 < head_dim ? a[1] : 0.f;
+                v[j].z = ok && d0 + 2 < head_dim ? a[2] : 0.f;
+                v[j].w = ok && d0 + 3 < head_dim ? a[3] : 0.f;
+            }
         }
-    }
+    };
+    load_chunk(0);
     float mx = fmaxf(ms[0], ms[1]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -618,29 +673,16 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
-    const float* acc = ws + ml_len + item0 * head_dim;
-    const bool vec = (head_dim & 3) == 0 && ((ml_len + item0 * head_dim) & 3) == 0;
-    for (int c0 = 0; c0 < head_dim; c0 += 128) {  // block-uniform (shuffles and barriers)
-        const int d0 = c0 + 4 * lane;
-        const bool on = d0 < head_dim;
+    for (int c0 = 0;;) {  // block-uniform (shuffles and barriers)
         float4 n = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-        for (int s = warp; s < active; s += ATTN_MERGE_WARPS) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int s = warp + j * ATTN_MERGE_WARPS;
             const float ws_s = __shfl_sync(0xffffffffu, s < 32 ? w[0] : w[1], s & 31);
-            const float* a = acc + (long long)s * head_dim + d0;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (on && vec) {
-                v = *reinterpret_cast<const float4*>(a);
-            } else if (on) {
-                v.x = a[0];
-                if (d0 + 1 < head_dim) v.y = a[1];
-                if (d0 + 2 < head_dim) v.z = a[2];
-                if (d0 + 3 < head_dim) v.w = a[3];
-            }
-            n.x = fmaf(ws_s, v.x, n.x);
-            n.y = fmaf(ws_s, v.y, n.y);
-            n.z = fmaf(ws_s, v.z, n.z);
-            n.w = fmaf(ws_s, v.w, n.w);
+            n.x = fmaf(ws_s, v[j].x, n.x);
+            n.y = fmaf(ws_s, v[j].y, n.y);
+            n.z = fmaf(ws_s, v[j].z, n.z);
+            n.w = fmaf(ws_s, v[j].w, n.w);
         }
         red[warp][lane] = n;
         __syncthreads();
@@ -652,7 +694,10 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws,
             for (int k = 0; k < ATTN_MERGE_WARPS; ++k) num += reinterpret_cast<const float*>(red[k])[t];
             o[c0 + t] = f2bf(den > 0.f ? num / den : 0.0f);
         }
+        c0 += 128;
+        if (c0 >= head_dim) break;
         __syncthreads();
+        load_chunk(c0);
     }
 }
 
@@ -682,15 +727,13 @@ __device__ __forceinline__ void softmax_attention_split_entry(
     const int s = blockIdx.x;
     const int kvh = blockIdx.y / row_blocks, rb = blockIdx.y % row_blocks;
     const int r = blockIdx.z;
-    const long long cap = (long long)max_pages * page_size;  // <= i32::MAX (checked on the host)
-    const int F = (int)min(max((long long)start_pos[r], 0LL), cap);
-    const int L = min(max(live[r], 0), cols);
+    const AttnRow w = softmax_attention_row(start_pos, live, r, cols, max_pages, page_size);
     AttnPagedCtx ctx;
     ctx.table_row = page_table + (long long)r * max_pages;
     ctx.page_size = page_size;
     ctx.pages = pages;
-    attn_split_body<DP, KS>(ctx, F, 0, L, 0, q, k_blk, v_blk, pages_k, pages_v, ws, r, kvh, rb, s,
-                            rows, cols, q_heads, kv_heads, head_dim, splits);
+    attn_split_body<DP, KS>(ctx, w.F, w.ctx_lo, w.L, 0, q, k_blk, v_blk, pages_k, pages_v, ws, r,
+                            kvh, rb, s, rows, cols, q_heads, kv_heads, head_dim, splits);
 }
 
 #define ATTN_FULL_ENTRY(NAME, DP, KS, MINB)                                                        \
@@ -707,9 +750,22 @@ __device__ __forceinline__ void softmax_attention_split_entry(
     }
 ATTN_SPLIT_ENTRIES(ATTN_FULL_ENTRY, softmax_attention)
 
-// grid (q_heads, cols, rows); 32 * ATTN_MERGE_WARPS threads.
-extern "C" __global__ void softmax_attention_merge(const float* ws, const int* live,
-                                                   __nv_bfloat16* out, int rows, int cols,
-                                                   int q_heads, int head_dim, int splits) {
-    attn_merge_body(ws, live, out, rows, cols, q_heads, head_dim, splits);
-}
+// The merge entry points of attention op OP, as X(NAME, PER): `OP_merge_s16` (at most 16
+// splits) and `OP_merge_s64` (at most 64). Mirrored by the launcher's `merge_name`.
+#define ATTN_MERGE_ENTRIES(X, OP) \
+    X(OP##_merge_s16, 4)          \
+    X(OP##_merge_s64, 16)
+
+// grid (q_heads, cols, rows); 32 * ATTN_MERGE_WARPS threads; `kt` = the split's AttnCfg<DP>::KT
+// (attend::tile_keys). Row metadata is read before df_pdl_wait: the split never writes it.
+#define ATTN_FULL_MERGE_ENTRY(NAME, PER)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * ATTN_MERGE_WARPS) NAME(                    \
+        const float* ws, const int* start_pos, const int* live, __nv_bfloat16* out, int rows,    \
+        int cols, int q_heads, int head_dim, int max_pages, int page_size, int splits, int kt) { \
+        const AttnRow w =                                                                        \
+            softmax_attention_row(start_pos, live, blockIdx.z, cols, max_pages, page_size);      \
+        const AttnPlan plan = attn_plan(w.F - w.ctx_lo, w.L, kt, splits);                        \
+        attn_merge_body<PER>(ws, plan.active, (int)blockIdx.y >= w.L, out, rows, cols, q_heads,  \
+                             head_dim, splits);                                                  \
+    }
+ATTN_MERGE_ENTRIES(ATTN_FULL_MERGE_ENTRY, softmax_attention)

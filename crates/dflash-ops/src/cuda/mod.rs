@@ -12,7 +12,9 @@
 //! ([`ARCH_SPECIFIC_OPS`]: the proposal heads' wgmma GEMM, compiled for `sm_90a`), used on a
 //! device of compute capability 9.0 unless [`CudaOptions::kernels`] asks for
 //! [`KernelVariants::Portable`]; both variants keep the same contract and pass the same
-//! conformance cases.
+//! conformance cases. On compute capability 9.0 and later the ops of
+//! [`DEPENDENT_LAUNCH_OPS`] also launch their second kernel as a programmatic dependent of
+//! the first (not under [`KernelVariants::Portable`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -46,8 +48,9 @@ pub enum KernelVariants {
     /// elsewhere.
     #[default]
     Auto,
-    /// Only the portable variants (what every sm_80+ device runs), e.g. to compare the two
-    /// on a Hopper GPU.
+    /// Only the portable variants (what every sm_80+ device runs), launched as ordinary
+    /// kernels (no programmatic dependent launch, see [`CudaBackend::launch_dependent`]), e.g.
+    /// to compare the two on a Hopper GPU.
     Portable,
 }
 
@@ -61,6 +64,14 @@ pub struct CudaOptions {
 /// Ops with an architecture-specific (`sm_90a`) kernel variant besides the portable one.
 pub const ARCH_SPECIFIC_OPS: [&str; 2] = [crate::proposal_argmax::OP, crate::unary_topk::OP];
 
+/// Ops that launch a kernel as a programmatic dependent of the one before it on compute
+/// capability 9.0 and later ([`CudaBackend::launch_dependent`]: the attention merges), unless
+/// [`KernelVariants::Portable`].
+pub const DEPENDENT_LAUNCH_OPS: [&str; 2] = [
+    crate::softmax_attention::OP,
+    crate::sliding_window_attention::OP,
+];
+
 /// The architecture the `sm_90a` variants are compiled for.
 pub(crate) const SM90A: &str = "sm_90a";
 
@@ -69,6 +80,7 @@ struct Inner {
     stream: Arc<CudaStream>,
     arch: String,
     sm90a: bool,
+    dependent_launch: bool,
     include_dir: String,
     limits: DeviceLimits,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
@@ -96,6 +108,15 @@ pub(crate) struct Kernel {
     pub(crate) func: CudaFunction,
     /// Resident blocks per SM at the threads and shared memory it was prepared for.
     pub(crate) blocks_per_sm: usize,
+}
+
+/// One parameter of a kernel launched by [`CudaBackend::launch_dependent`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RawArg {
+    /// A device pointer (`T*` in the kernel).
+    Ptr(u64),
+    /// An `int`.
+    I32(i32),
 }
 
 /// Identification of a CUDA device and its software stack.
@@ -309,6 +330,7 @@ impl CudaBackend {
                 stream,
                 arch: format!("sm_{major}{minor}"),
                 sm90a: options.kernels == KernelVariants::Auto && (major, minor) == (9, 0),
+                dependent_launch: options.kernels == KernelVariants::Auto && major >= 9,
                 include_dir,
                 limits,
                 modules: Mutex::new(HashMap::new()),
@@ -416,6 +438,83 @@ impl CudaBackend {
     /// 9.0 and [`KernelVariants::Auto`]).
     pub fn uses_sm90a(&self) -> bool {
         self.inner.sm90a
+    }
+
+    /// Whether [`Self::launch_dependent`] makes programmatic dependent launches (compute
+    /// capability 9.0 and later, [`KernelVariants::Auto`]); otherwise it launches as usual.
+    pub fn uses_dependent_launch(&self) -> bool {
+        self.inner.dependent_launch
+    }
+
+    /// Launch `func` on the stream (`cfg`: grid, block, dynamic shared memory) as a
+    /// programmatic dependent of the kernel queued before it (cuLaunchKernelEx with
+    /// programmatic stream serialization) when [`Self::uses_dependent_launch`], else as an
+    /// ordinary launch. A dependent launch may start as soon as every block of the kernel
+    /// ahead has called `df_pdl_launch_dependents` (kernels/common.cuh): `func` must call
+    /// `df_pdl_wait` before it reads anything that kernel writes, and every block of it must
+    /// call it before exiting (so that work queued after `func` also follows the kernel
+    /// ahead). The same holds inside a captured CUDA graph (a programmatic edge).
+    ///
+    /// # Safety
+    ///
+    /// `args` are the kernel's parameters in order and type (device pointers of live
+    /// allocations of this context); the kernel's memory accesses stay within the buffers
+    /// passed; `func` follows the waiting rule above.
+    pub(crate) unsafe fn launch_dependent(
+        &self,
+        func: &CudaFunction,
+        cfg: cudarc::driver::LaunchConfig,
+        args: &mut [RawArg],
+        what: &str,
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        let mut params: Vec<*mut std::ffi::c_void> = args
+            .iter_mut()
+            .map(|a| match a {
+                RawArg::Ptr(p) => (p as *mut u64).cast(),
+                RawArg::I32(v) => (v as *mut i32).cast(),
+            })
+            .collect();
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let launch = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.inner.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.inner.dependent_launch),
+        };
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err(format!("binding the context for {what}")))?;
+        // SAFETY: the caller guarantees `args`, which `params` points into (both outlive the
+        // call, as do `launch` and its attribute).
+        let status = unsafe {
+            sys::cuLaunchKernelEx(
+                &launch,
+                func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            return Err(OpsError::Cuda {
+                context: format!("launching {what}"),
+                message: format!("{status:?}"),
+            });
+        }
+        Ok(())
     }
 
     /// The shared cuBLAS handle bound to [`Self::stream`].

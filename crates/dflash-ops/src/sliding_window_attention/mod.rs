@@ -103,13 +103,14 @@ impl LocalAttentionParams {
 }
 
 /// The most splits the CUDA kernels launch for `p` (depends on shapes only; bounds the
-/// workspace): `clamp(ceil((S - 1 + cols) / 64), 1, 32)`.
+/// workspace): `clamp(min(ceil((S - 1 + cols) / 64), ceil(512 / (rows * Hkv * row blocks))), 1,
+/// 64)`, a row block being 64 query rows of a KV head (`ceil(Hq / Hkv * cols / 64)`).
 pub fn split_count(p: &LocalAttentionParams) -> usize {
     attend::split_count(&p.geometry(), p.key_capacity())
 }
 
 /// f32 elements the `workspace` of [`run`] must have at least:
-/// `rows * cols * q_heads * split_count(p) * (head_dim + 2) + rows` (saturating for nonsense
+/// `rows * cols * q_heads * split_count(p) * (head_dim + 2)` (saturating for nonsense
 /// shapes, which [`run`] refuses anyway).
 pub fn workspace_len(p: &LocalAttentionParams) -> usize {
     attend::workspace_len(&p.geometry(), p.key_capacity())

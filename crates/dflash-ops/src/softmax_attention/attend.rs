@@ -178,9 +178,8 @@ pub(crate) fn split_count(g: &Geometry, key_capacity: usize) -> usize {
         .clamp(1, MAX_SPLITS)
 }
 
-/// f32 elements of the split-KV workspace: `rows * cols * Hq * splits * (D + 2) + rows`
-/// (partials, then one active-split count per row), saturating so nonsense geometry gives a
-/// huge value rather than an overflow.
+/// f32 elements of the split-KV workspace: `rows * cols * Hq * splits * (D + 2)` (the
+/// partials), saturating so nonsense geometry gives a huge value rather than an overflow.
 pub(crate) fn workspace_len(g: &Geometry, key_capacity: usize) -> usize {
     [
         g.rows,
@@ -191,7 +190,6 @@ pub(crate) fn workspace_len(g: &Geometry, key_capacity: usize) -> usize {
     ]
     .iter()
     .fold(1usize, |acc, &f| acc.saturating_mul(f))
-    .saturating_add(g.rows)
 }
 
 /// Lengths of the tensors every attention call takes, for the length checks.
@@ -505,8 +503,8 @@ fn scale(m: f32, base: f32) -> f32 {
 /// weight is 2^fma(s, log2(e) / sqrt(D), -base), flushed to 0 below 2^-126), P as two FP16
 /// terms hi + lo for context keys and two BF16 terms hi + lo for block keys, with the softmax
 /// sum over the represented terms, the workspace layout
-/// (poisoned with NaN so reading an unwritten partial shows; active counts at the end) and the
-/// merge. Only the summation order inside a tile (the MMA's) differs from the device.
+/// (poisoned with NaN so reading an unwritten partial shows) and the merge, which recomputes
+/// the plan as the kernel's does. Only the summation order inside a tile (the MMA's) differs from the device.
 /// `row_ctx(r)` gives the kernel's (F, ctx_lo) of row r, `slot(r, p)` the flat slot or -1;
 /// `window` 0 = none.
 #[cfg(test)]
@@ -523,19 +521,24 @@ pub(crate) fn emulate_split_kv(
     let group = hq / hkv;
     let items = rows * cols * hq * splits;
     let ml_len = 2 * items;
-    let mut ws = vec![f32::NAN; ml_len + items * d + rows];
+    let mut ws = vec![f32::NAN; ml_len + items * d];
     let sl2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
     let kti = kt as i64;
-    for r in 0..rows {
+    // attn_plan of row r: (context tiles, tiles, tiles per split, active splits); the split
+    // and the merge both evaluate it, as the kernels do.
+    let plan = |r: usize| {
         let (f, lo) = row_ctx(r);
         let live = i64::from(x.live[r]).clamp(0, cols as i64);
-        let n_ctx = f - lo;
-        // attn_plan
-        let t_ctx = (n_ctx + kti - 1) / kti;
+        let t_ctx = (f - lo + kti - 1) / kti;
         let tiles = t_ctx + (live + kti - 1) / kti;
         let tps = ((tiles + splits as i64 - 1) / splits as i64).max(1);
         let active = if live > 0 { (tiles + tps - 1) / tps } else { 0 };
-        ws[ml_len + items * d + r] = f32::from_bits(active as u32);
+        (t_ctx, tiles, tps, active)
+    };
+    for r in 0..rows {
+        let (f, lo) = row_ctx(r);
+        let live = i64::from(x.live[r]).clamp(0, cols as i64);
+        let (t_ctx, tiles, tps, active) = plan(r);
         for s in 0..active {
             let (t0, t1) = (s * tps, tiles.min(s * tps + tps));
             for kvh in 0..hkv {
@@ -631,7 +634,7 @@ pub(crate) fn emulate_split_kv(
     let mut out = vec![bf16::POISON; rows * cols * hq * d];
     for r in 0..rows {
         let live = (x.live[r].max(0) as usize).min(cols);
-        let active = (ws[ml_len + items * d + r].to_bits() as usize).min(splits);
+        let active = (plan(r).3 as usize).min(splits);
         for i in 0..cols {
             for h in 0..hq {
                 let item0 = ((r * cols + i) * hq + h) * splits;

@@ -2,12 +2,12 @@
 //! merge bodies `sliding_window_attention` compiles with its own entry points): the ops differ
 //! only in the [`AttnContext`] they pass.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 
 use super::attend::{self, Geometry};
 use super::{FullAttentionParams, OP};
-use crate::cuda::{CudaBackend, cuda_err};
+use crate::cuda::{CudaBackend, RawArg, cuda_err};
 use crate::{Buffer, OpsError, Result};
 
 /// Source of the full layer's kernels and of the shared device bodies.
@@ -22,6 +22,9 @@ const SPLIT_THREADS: u32 = 128;
 /// Warps of a merge block (one block per (head, column, row), the warps share its splits:
 /// `ATTN_MERGE_WARPS`).
 const MERGE_WARPS: u32 = 4;
+
+/// The most splits the small merge entry point (`_merge_s16`: 4 per warp) takes.
+const MERGE_SMALL_SPLITS: usize = 16;
 
 /// Where a row's context lives: the only thing that differs between the two ops.
 pub(crate) enum AttnContext<'a> {
@@ -82,6 +85,19 @@ fn split_name(op: &str, dp: usize, pairs: bool) -> &'static str {
     }
 }
 
+/// The merge entry point of `op` for `splits` launched splits: the names
+/// `ATTN_MERGE_ENTRIES` instantiates (`_merge_s16` takes at most
+/// [`MERGE_SMALL_SPLITS`] splits and needs fewer registers, `_merge_s64` up to
+/// [`attend::MAX_SPLITS`]).
+fn merge_name(op: &str, splits: usize) -> &'static str {
+    match (op == "softmax_attention", splits <= MERGE_SMALL_SPLITS) {
+        (true, true) => "softmax_attention_merge_s16",
+        (true, false) => "softmax_attention_merge_s64",
+        (false, true) => "sliding_window_attention_merge_s16",
+        (false, false) => "sliding_window_attention_merge_s64",
+    }
+}
+
 /// The tensors of one attention call besides the context.
 pub(crate) struct AttnCall<'a> {
     pub(crate) q: &'a Buffer<bf16>,
@@ -92,7 +108,7 @@ pub(crate) struct AttnCall<'a> {
 }
 
 /// Launch the split kernel `{op}_split_d{DP}` (or `_d{DP}_ks2`, see
-/// [`attend::key_split_pairs`]) and the merge `{op}_merge` of module `op` (source `source`).
+/// [`attend::key_split_pairs`]) and the merge `{op}_merge_s16` or `_s64` (see [`merge_name`]) of module `op` (source `source`).
 /// Shapes were validated by the op's `run`.
 ///
 /// Grid of the split: (splits, Hkv * row_blocks, rows) with row_blocks = ceil(G * cols / 64)
@@ -112,10 +128,6 @@ pub(crate) fn launch(
 ) -> Result<()> {
     let dp = attend::padded_head_dim(g.head_dim);
     let name = split_name(op, dp, attend::key_split_pairs(g, dp));
-    let merge_name: &'static str = match ctx {
-        AttnContext::Paged { .. } => "softmax_attention_merge",
-        AttnContext::Ring { .. } => "sliding_window_attention_merge",
-    };
     let smem = attend::smem_bytes(dp);
     let kernel = c.kernel(op, source, name, SPLIT_THREADS, smem)?;
     let row_blocks = (g.group() * g.cols).div_ceil(attend::BLOCK_QUERY_ROWS);
@@ -223,26 +235,51 @@ pub(crate) fn launch(
         // clamps device metadata so it stays in bounds.
         unsafe { b.launch(split_cfg) }.map_err(cuda_err(format!("launching {name}")))?;
     }
+    let stream = c.stream();
+    let (ws_p, _ws) = workspace.device(op, "workspace")?.device_ptr(stream);
+    let (start_p, _start) = t.start_pos.device(op, "start_pos")?.device_ptr(stream);
+    let (live_p, _live) = t.live.device(op, "live")?.device_ptr(stream);
+    let (out_p, _out) = out.device_mut(op, "out")?.device_ptr_mut(stream);
+    let merge_name = merge_name(op, splits);
     let merge = c.function(op, source, merge_name)?;
     let merge_cfg = LaunchConfig {
         grid_dim: (g.q_heads as u32, g.cols as u32, g.rows as u32),
         block_dim: (32 * MERGE_WARPS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = c.stream().launch_builder(&merge);
-    b.arg(workspace.device(op, "workspace")?);
-    b.arg(t.live.device(op, "live")?);
-    b.arg(out.device_mut(op, "out")?);
-    b.arg(&rows);
-    b.arg(&cols);
-    b.arg(&hq);
-    b.arg(&d);
-    b.arg(&sp);
-    // SAFETY: argument types and order match the attention merge kernels; lengths checked by
-    // `run` (out = rows*cols*Hq*D, live = rows); the split kernel above wrote the active
-    // split counts and every active partial the merge reads.
-    unsafe { b.launch(merge_cfg) }.map_err(cuda_err(format!("launching {merge_name}")))?;
-    Ok(())
+    let kt = attend::tile_keys(dp) as i32;
+    // The merge's parameters: (ws, start_pos, live, [lanes,] out) then (rows, cols, Hq, D,
+    // [max_pages, page_size | n_lanes, window], splits, kt).
+    let (lanes_p, ctx_ints) = match ctx {
+        AttnContext::Paged {
+            page_size,
+            max_pages,
+            ..
+        } => (None, [*max_pages as i32, *page_size as i32]),
+        AttnContext::Ring {
+            lanes,
+            n_lanes,
+            window,
+            ..
+        } => (
+            Some(lanes.device(op, "lanes")?.device_ptr(stream)),
+            [*n_lanes as i32, *window as i32],
+        ),
+    };
+    let mut merge_args: Vec<RawArg> = [ws_p, start_p, live_p]
+        .into_iter()
+        .chain(lanes_p.as_ref().map(|(p, _)| *p))
+        .chain([out_p])
+        .map(RawArg::Ptr)
+        .chain([rows, cols, hq, d, ctx_ints[0], ctx_ints[1], sp, kt].map(RawArg::I32))
+        .collect();
+    // SAFETY: `merge_args` matches `{op}_merge_s16` / `_s64` (kernels/softmax_attention.cu
+    // and sliding_window_attention.cu) in order and type; lengths were checked by `run` (out
+    // = rows*cols*Hq*D, start_pos = live = lanes = rows, workspace >= workspace_len); the
+    // pointers' guards live to the end of this function. Before df_pdl_wait the merge reads
+    // only row metadata, which the split never writes and whose writers finished before the
+    // split (an ordinary launch) started; every block waits.
+    unsafe { c.launch_dependent(&merge, merge_cfg, &mut merge_args, merge_name) }
 }
 
 pub(super) fn run(

@@ -67,10 +67,17 @@
 //!   terms hi + lo of the type of the V it multiplies (FP16 against the context's F16 V, BF16
 //!   against the block's BF16 V: one FP16 term, 11 bits, loses more than the tolerance where
 //!   the weighted values cancel); the softmax sum adds the same represented weights.
-//! - Merge: each split writes FP32 partials (max, sum, accumulator) and its row's active
-//!   split count; the merge (grid (Hq, cols, rows), four warps sharing an item's splits)
-//!   reads the active count and every (max, sum) in one round trip, combines the active
-//!   splits with exact power-of-two factors and writes the dead columns' zeros.
+//! - Merge: each active split writes FP32 partials (max, sum, accumulator); the merge (grid
+//!   (Hq, cols, rows), four warps sharing an item's splits) recomputes the row's split plan
+//!   from the same metadata, reads every (max, sum) and every accumulator chunk of the active
+//!   splits in one round trip, combines them with exact power-of-two factors and writes the
+//!   dead columns' zeros. Entry `_merge_s16` (at most 16 launched splits, 4 chunks in flight
+//!   per thread: few registers, many blocks per SM) or `_merge_s64` (up to 64).
+//! - Launch: on compute capability 9.0 and later the merge is a programmatic dependent launch
+//!   of the split (`CudaBackend::launch_dependent`): its blocks become resident and read their
+//!   row's metadata while the split still runs, then wait for the split's completion before
+//!   reading a partial. The portable kernel variants ([`crate::cuda::KernelVariants::Portable`])
+//!   launch it as usual.
 //! - Head dims are padded to 16, 32, 64, 128 or 256 with zeros in shared memory; D % 8 != 0
 //!   uses 4-byte copies; context slots are addressed in 32 bits (pages * page_size and lanes *
 //!   window at most 2^31 - 1 on CUDA).
@@ -136,13 +143,14 @@ impl FullAttentionParams {
 }
 
 /// The most splits the CUDA kernels launch for `p` (depends on shapes only; bounds the
-/// workspace): `clamp(ceil(key capacity / 64), 1, 32)`.
+/// workspace): `clamp(min(ceil(key capacity / 64), ceil(512 / (rows * Hkv * row blocks))), 1,
+/// 64)`, a row block being 64 query rows of a KV head (`ceil(Hq / Hkv * cols / 64)`).
 pub fn split_count(p: &FullAttentionParams) -> usize {
     attend::split_count(&p.geometry(), p.key_capacity())
 }
 
 /// f32 elements the `workspace` of [`run`] must have at least:
-/// `rows * cols * q_heads * split_count(p) * (head_dim + 2) + rows` (saturating for nonsense
+/// `rows * cols * q_heads * split_count(p) * (head_dim + 2)` (saturating for nonsense
 /// shapes, which [`run`] refuses anyway).
 pub fn workspace_len(p: &FullAttentionParams) -> usize {
     attend::workspace_len(&p.geometry(), p.key_capacity())

@@ -5,8 +5,9 @@
 //! `DIR/conformance.md` and `DIR/conformance.json`. Exit status 0 when every case passes,
 //! 1 when one fails, 3 when there is no usable CUDA device (driver missing, no GPU).
 //!
-//! On a device where ops of `ARCH_SPECIFIC_OPS` use their sm_90a variant, their cases run
-//! twice: on the default backend and on one restricted to the portable kernels (rows
+//! On a device where ops of `ARCH_SPECIFIC_OPS` use their sm_90a variant (or those of
+//! `DEPENDENT_LAUNCH_OPS` their programmatic dependent launch), their cases run twice: on the
+//! default backend and on one restricted to the portable kernels and ordinary launches (rows
 //! `case [portable]`).
 
 mod graph;
@@ -20,7 +21,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use dflash_ops::Backend;
-use dflash_ops::cuda::{ARCH_SPECIFIC_OPS, CudaBackend, CudaOptions, KernelVariants};
+use dflash_ops::cuda::{
+    ARCH_SPECIFIC_OPS, CudaBackend, CudaOptions, DEPENDENT_LAUNCH_OPS, KernelVariants,
+};
 use dflash_ops::registry::{self, Case, CaseRun, Comparison};
 
 struct Row {
@@ -128,9 +131,9 @@ fn run() -> Result<ExitCode> {
     };
     let info = cuda.device_info().context("reading device info")?;
     let gpu = Backend::Cuda(cuda.clone());
-    // On a device where some ops use an architecture-specific variant, their cases run a
-    // second time on a backend restricted to the portable kernels.
-    let portable = if cuda.uses_sm90a() {
+    // On a device where some ops use an architecture-specific variant or a dependent launch,
+    // their cases run a second time on a backend restricted to the portable kernels.
+    let portable = if cuda.uses_sm90a() || cuda.uses_dependent_launch() {
         let options = CudaOptions {
             kernels: KernelVariants::Portable,
         };
@@ -164,7 +167,7 @@ fn run() -> Result<ExitCode> {
         let cpu_ms = t0.elapsed().as_secs_f64() * 1e3;
         run_case(&case, &reference, cpu_ms, &gpu, "", &mut rows);
         if let Some(p) = &portable
-            && ARCH_SPECIFIC_OPS.contains(&case.op)
+            && (ARCH_SPECIFIC_OPS.contains(&case.op) || DEPENDENT_LAUNCH_OPS.contains(&case.op))
         {
             run_case(&case, &reference, cpu_ms, p, " [portable]", &mut rows);
         }
