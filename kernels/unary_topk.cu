@@ -29,7 +29,7 @@
 // An element that failed a threshold can never enter later (thresholds only rise), so the
 // final lists are exact. Shared arrays are column-minor ([slot][NC]).
 // Merge: one block per column takes the top-16 of the P * 16 partial candidates (a sorted
-// list per thread, then 16 rounds of a block-wide argmax over the list heads).
+// list per thread, combined by bitonic top-16 merges: see unary_topk_merge).
 
 #define UT_K 16
 #define UT_CAP 32  // candidate slots per column and pass (one per holder while the list is not full)
@@ -236,61 +236,117 @@ PH_TOPK_ENTRY(4)
 PH_TOPK_ENTRY(8)
 PH_TOPK_ENTRY(16)
 
-#define UT_MERGE_THREADS 256
-#define UT_MERGE_WARPS (UT_MERGE_THREADS / 32)
+// Merge. One block per column, T = 32 * ceil(P / 32) threads (at most UT_MERGE_MAX_THREADS,
+// then a thread takes lists t, t + T, ...): thread t loads partial list t (16 entries, best
+// first) and folds any further list of its own into it with ut_merge16; the lanes of a warp
+// then combine their lists in 5 butterfly levels (at level k a lane takes its partner's list,
+// lane ^ 2^k, by shuffles and both keep the top 16 of the two: the same list, the order being
+// total), and warp 0 combines the warps' lists (through shared memory) the same way. Every
+// step keeps the exact top 16 of the lists it has seen, so the result is the column's top 16
+// best first; empty entries (-inf, no id) fill a column with fewer candidates. The partial
+// lists never hold NaN (the epilogue ranks NaN as -inf and never stores it).
+#define UT_MERGE_MAX_THREADS 512
+#define UT_MERGE_WARPS_MAX (UT_MERGE_MAX_THREADS / 32)
 
-__device__ __forceinline__ void ut_warp_best(float& bv, int& bid, int& bt) {
+// a := the top 16 of a and b (both sorted best first), sorted best first: c[j] = the better
+// of a[j] and b[15 - j] holds the 16 best of the union (a descending against b ascending) as a
+// bitonic sequence, which four half-cleaner stages sort (compare-exchange, better first).
+__device__ __forceinline__ void ut_merge16(float (&av)[UT_K], int (&ai)[UT_K], const float (&bv)[UT_K],
+                                           const int (&bi)[UT_K]) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_down_sync(0xffffffffu, bv, off);
-        const int oid = __shfl_down_sync(0xffffffffu, bid, off);
-        const int ot = __shfl_down_sync(0xffffffffu, bt, off);
-        if (ph_beats(ov, oid, bv, bid)) { bv = ov; bid = oid; bt = ot; }
+    for (int j = 0; j < UT_K; ++j) {
+        if (ph_beats(bv[UT_K - 1 - j], bi[UT_K - 1 - j], av[j], ai[j])) {
+            av[j] = bv[UT_K - 1 - j];
+            ai[j] = bi[UT_K - 1 - j];
+        }
+    }
+#pragma unroll
+    for (int stride = UT_K / 2; stride > 0; stride >>= 1) {
+#pragma unroll
+        for (int j = 0; j < UT_K; ++j) {
+            if (j & stride) continue;
+            if (ph_beats(av[j + stride], ai[j + stride], av[j], ai[j])) {
+                const float tv = av[j];
+                const int ti = ai[j];
+                av[j] = av[j + stride];
+                ai[j] = ai[j + stride];
+                av[j + stride] = tv;
+                ai[j + stride] = ti;
+            }
+        }
     }
 }
 
-// Merge: grid (n), UT_MERGE_THREADS threads; top-16 of column blockIdx.x's P * 16 partial
-// candidates into scores[col * 16 + j], ids[col * 16 + j].
-extern "C" __global__ void __launch_bounds__(UT_MERGE_THREADS)
+// Lanes of a warp: each ends with the top 16 of all 32 lanes' lists.
+__device__ __forceinline__ void ut_warp_merge(float (&v)[UT_K], int (&id)[UT_K]) {
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        float ov[UT_K];
+        int oi[UT_K];
+#pragma unroll
+        for (int j = 0; j < UT_K; ++j) {
+            ov[j] = __shfl_xor_sync(0xffffffffu, v[j], off);
+            oi[j] = __shfl_xor_sync(0xffffffffu, id[j], off);
+        }
+        ut_merge16(v, id, ov, oi);
+    }
+}
+
+// Load partial list `src` (16 (value, id bits) pairs, 128-byte aligned) into registers.
+__device__ __forceinline__ void ut_load_list(const float* __restrict__ src, float (&v)[UT_K], int (&id)[UT_K]) {
+#pragma unroll
+    for (int q = 0; q < UT_K / 2; ++q) {
+        const float4 x = reinterpret_cast<const float4*>(src)[q];
+        v[2 * q] = x.x;
+        id[2 * q] = __float_as_int(x.y);
+        v[2 * q + 1] = x.z;
+        id[2 * q + 1] = __float_as_int(x.w);
+    }
+}
+
+// grid (n), T threads as above; top-16 of column blockIdx.x's P * 16 partial candidates into
+// scores[col * 16 + j], ids[col * 16 + j].
+extern "C" __global__ void __launch_bounds__(UT_MERGE_MAX_THREADS)
 unary_topk_merge(const float* __restrict__ ws, float* __restrict__ scores, int* __restrict__ ids, int P) {
-    __shared__ float s_v[UT_K][UT_MERGE_THREADS];
-    __shared__ int s_id[UT_K][UT_MERGE_THREADS];
-    __shared__ float w_v[UT_MERGE_WARPS];
-    __shared__ int w_id[UT_MERGE_WARPS];
-    __shared__ int w_t[UT_MERGE_WARPS];
-    __shared__ int s_winner;
+    __shared__ float w_v[UT_MERGE_WARPS_MAX][UT_K];
+    __shared__ int w_id[UT_MERGE_WARPS_MAX][UT_K];
     const long long col = blockIdx.x;
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
-    float lv[UT_K];
-    int li[UT_K];
-#pragma unroll
-    for (int j = 0; j < UT_K; ++j) { lv[j] = PH_NEG_INF; li[j] = PH_NO_ID; }
+    const int warps = (int)(blockDim.x >> 5);
     const float* src = ws + col * P * UT_K * 2;
-    for (int k = t; k < P * UT_K; k += UT_MERGE_THREADS)
-        ut_push(lv, li, src[2 * k], __float_as_int(src[2 * k + 1]));
+    float v[UT_K];
+    int id[UT_K];
 #pragma unroll
-    for (int j = 0; j < UT_K; ++j) { s_v[j][t] = lv[j]; s_id[j][t] = li[j]; }
+    for (int j = 0; j < UT_K; ++j) { v[j] = PH_NEG_INF; id[j] = PH_NO_ID; }
+    if (t < P) ut_load_list(src + (long long)t * UT_K * 2, v, id);
+    for (int b = t + (int)blockDim.x; b < P; b += (int)blockDim.x) {
+        float bv[UT_K];
+        int bi[UT_K];
+        ut_load_list(src + (long long)b * UT_K * 2, bv, bi);
+        ut_merge16(v, id, bv, bi);
+    }
+    ut_warp_merge(v, id);
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < UT_K; ++j) { w_v[warp][j] = v[j]; w_id[warp][j] = id[j]; }
+    }
     __syncthreads();
-    int head = 0;
-    for (int r = 0; r < UT_K; ++r) {
-        float hv = head < UT_K ? s_v[head][t] : PH_NEG_INF;
-        int hid = head < UT_K ? s_id[head][t] : PH_NO_ID;
-        int ht = t;
-        ut_warp_best(hv, hid, ht);
-        if (lane == 0) { w_v[warp] = hv; w_id[warp] = hid; w_t[warp] = ht; }
-        __syncthreads();
-        if (warp == 0) {
-            hv = lane < UT_MERGE_WARPS ? w_v[lane] : PH_NEG_INF;
-            hid = lane < UT_MERGE_WARPS ? w_id[lane] : PH_NO_ID;
-            ht = lane < UT_MERGE_WARPS ? w_t[lane] : -1;
-            ut_warp_best(hv, hid, ht);
-            if (lane == 0) {
-                scores[col * UT_K + r] = hv;
-                ids[col * UT_K + r] = hid;
-                s_winner = ht;
-            }
-        }
-        __syncthreads();
-        if (t == s_winner) ++head;
+    if (warp != 0) return;
+#pragma unroll
+    for (int j = 0; j < UT_K; ++j) {
+        v[j] = lane < warps ? w_v[lane][j] : PH_NEG_INF;
+        id[j] = lane < warps ? w_id[lane][j] : PH_NO_ID;
+    }
+    ut_warp_merge(v, id);
+    // Lane j writes entry j (a compile-time register index per lane: one select each).
+    float ov = PH_NEG_INF;
+    int oi = PH_NO_ID;
+#pragma unroll
+    for (int j = 0; j < UT_K; ++j) {
+        if (lane == j) { ov = v[j]; oi = id[j]; }
+    }
+    if (lane < UT_K) {
+        scores[col * UT_K + lane] = ov;
+        ids[col * UT_K + lane] = oi;
     }
 }

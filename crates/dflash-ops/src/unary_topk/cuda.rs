@@ -13,6 +13,9 @@ use crate::proposal_argmax::cuda::SOURCE as SHARED;
 use crate::proposal_argmax::head::{HeadKernels, cuda::launch_gemm};
 use crate::{Buffer, Result};
 
+/// Most threads of a merge block (`UT_MERGE_MAX_THREADS`, its launch bound).
+const MERGE_MAX_THREADS: usize = 512;
+
 const OWN: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/unary_topk.cu"
@@ -62,9 +65,12 @@ pub(super) fn run(
 ) -> Result<()> {
     let blocks = launch_gemm(c, &kernels(), hidden, head_w, token_ids, workspace, p)?;
     let f = c.function(OP, source(), "unary_topk_merge")?;
+    // One thread per partial list, in whole warps, at most MERGE_MAX_THREADS (then a thread
+    // folds several lists).
+    let threads = blocks.div_ceil(32).clamp(1, MERGE_MAX_THREADS / 32) * 32;
     let cfg = LaunchConfig {
         grid_dim: (p.n as u32, 1, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let parts = blocks as i32;
@@ -73,8 +79,9 @@ pub(super) fn run(
     b.arg(scores.device_mut(OP, "scores")?);
     b.arg(ids.device_mut(OP, "ids")?);
     b.arg(&parts);
-    // SAFETY: argument types and order match unary_topk_merge; the GEMM above wrote `blocks`
-    // lists of 16 partials for each of the n columns; scores and ids have 16n elements.
+    // SAFETY: argument types and order match unary_topk_merge (launched with a multiple of 32
+    // threads, at most its launch bound); the GEMM above wrote `blocks` lists of 16 partials
+    // for each of the n columns; scores and ids have 16n elements.
     unsafe { b.launch(cfg) }.map_err(cuda_err("launching unary_topk_merge"))?;
     Ok(())
 }

@@ -726,3 +726,170 @@ fn rising_fixture_puts_the_last_public_rows_first_and_negated_columns_reversed()
     }
     Ok(())
 }
+
+/// A model of the CUDA merge of the partial lists (`unary_topk_merge`: `ut_merge16` and the
+/// butterfly levels of `ut_warp_merge`), checked against a sort of the union: a wrong bitonic
+/// step (b not reversed, a missing half-cleaner stage), a butterfly that drops a lane or a
+/// fold of a second list per thread that loses entries fails here without a GPU.
+mod merge_model {
+    use proptest::prelude::*;
+
+    const K: usize = 16;
+    const NO_ID: i32 = i32::MAX;
+    type Entry = (f32, i32);
+    const EMPTY: Entry = (f32::NEG_INFINITY, NO_ID);
+
+    fn beats(a: Entry, b: Entry) -> bool {
+        a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
+    }
+
+    /// `ut_merge16`: the better of a[j] and b[15 - j], then half-cleaners of stride 8, 4, 2, 1.
+    fn merge16(a: &mut [Entry; K], b: &[Entry; K]) {
+        for j in 0..K {
+            if beats(b[K - 1 - j], a[j]) {
+                a[j] = b[K - 1 - j];
+            }
+        }
+        let mut stride = K / 2;
+        while stride > 0 {
+            for j in (0..K).filter(|j| j & stride == 0) {
+                if beats(a[j + stride], a[j]) {
+                    a.swap(j, j + stride);
+                }
+            }
+            stride /= 2;
+        }
+    }
+
+    /// `ut_warp_merge` over up to 32 lanes: level `off` gives lane l the merge of its list with
+    /// lane l ^ off's (every lane's result of the level computed from the level's inputs).
+    fn butterfly(lanes: &mut [[Entry; K]; 32]) {
+        let mut off = 1;
+        while off < 32 {
+            let before = *lanes;
+            for (l, list) in lanes.iter_mut().enumerate() {
+                merge16(list, &before[l ^ off]);
+            }
+            off <<= 1;
+        }
+    }
+
+    /// The kernel's block: thread t (of `threads`, a multiple of 32) takes list t and folds
+    /// lists t + threads, ...; each warp's butterfly; then warp 0 over the warps' lists.
+    fn block_merge(lists: &[[Entry; K]], threads: usize) -> [Entry; K] {
+        let mut own = vec![[EMPTY; K]; threads];
+        for (t, slot) in own.iter_mut().enumerate() {
+            for b in (t..lists.len()).step_by(threads) {
+                if b == t {
+                    *slot = lists[b];
+                } else {
+                    merge16(slot, &lists[b]);
+                }
+            }
+        }
+        let mut warp_lists = Vec::new();
+        for w in own.chunks(32) {
+            let mut lanes = [[EMPTY; K]; 32];
+            lanes.copy_from_slice(w);
+            butterfly(&mut lanes);
+            assert!(
+                lanes.iter().all(|l| *l == lanes[0]),
+                "every lane ends with the same list"
+            );
+            warp_lists.push(lanes[0]);
+        }
+        let mut lanes = [[EMPTY; K]; 32];
+        lanes[..warp_lists.len()].copy_from_slice(&warp_lists);
+        butterfly(&mut lanes);
+        lanes[0]
+    }
+
+    /// A sorted (best first) partial list of distinct ids with `len` real entries, the rest
+    /// empty, as the epilogue writes it.
+    fn sorted(mut xs: Vec<Entry>) -> [Entry; K] {
+        xs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut out = [EMPTY; K];
+        for (slot, x) in out.iter_mut().zip(xs) {
+            *slot = x;
+        }
+        out
+    }
+
+    /// The top 16 of the union's real entries, by a sort.
+    fn want(lists: &[[Entry; K]]) -> [Entry; K] {
+        sorted(
+            lists
+                .iter()
+                .flatten()
+                .copied()
+                .filter(|e| e.1 != NO_ID)
+                .collect(),
+        )
+    }
+
+    /// `p` lists with 0..=16 entries each, in a random order; values from a small set (many
+    /// exact ties, broken by the lower id), ids distinct across lists.
+    fn lists(p: usize, seed: u64) -> Vec<[Entry; K]> {
+        let mut s = seed | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut id = 0i32;
+        let mut out: Vec<[Entry; K]> = (0..p)
+            .map(|_| {
+                let len = (next() % (K as u64 + 1)) as usize;
+                let xs = (0..len)
+                    .map(|_| {
+                        id += 1 + (next() % 3) as i32;
+                        ((next() % 7) as f32 - 3.0, id)
+                    })
+                    .collect();
+                sorted(xs)
+            })
+            .collect();
+        // Shuffle, so the lowest ids (which win the ties) are not all in the first lists.
+        for i in (1..out.len()).rev() {
+            out.swap(i, (next() % (i as u64 + 1)) as usize);
+        }
+        out
+    }
+
+    #[test]
+    fn merge16_keeps_the_top_16_of_two_lists_hand_checked() {
+        // a = 15, 13, .., -15 (odd), b = 16, 14, .., -14 (even): the top 16 are 16 down to 1.
+        let a = sorted((0..16).map(|k| (15.0 - 2.0 * k as f32, 2 * k)).collect());
+        let b = sorted(
+            (0..16)
+                .map(|k| (16.0 - 2.0 * k as f32, 2 * k + 1))
+                .collect(),
+        );
+        let mut m = a;
+        merge16(&mut m, &b);
+        let got: Vec<f32> = m.iter().map(|e| e.0).collect();
+        assert_eq!(got, (1..=16).rev().map(|v| v as f32).collect::<Vec<_>>());
+        // Equal values: the lower id first, across the two lists.
+        let a = sorted(vec![(1.0, 4), (1.0, 8)]);
+        let b = sorted(vec![(1.0, 2), (1.0, 6)]);
+        let mut m = a;
+        merge16(&mut m, &b);
+        let ids: Vec<i32> = m.iter().take(5).map(|e| e.1).collect();
+        assert_eq!(ids, vec![2, 4, 6, 8, NO_ID]);
+    }
+
+    proptest! {
+        #[test]
+        fn block_merge_is_the_top_16_of_the_union(
+            p in 1usize..=300,
+            threads_w in 1usize..=16,
+            seed in any::<u64>(),
+        ) {
+            let lists = lists(p, seed);
+            // A block of `threads_w` warps (fewer threads than lists: each folds several).
+            let got = block_merge(&lists, threads_w * 32);
+            prop_assert_eq!(got, want(&lists));
+        }
+    }
+}
