@@ -68,9 +68,9 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
     }
 ATTN_SPLIT_ENTRIES(ATTN_RING_ENTRY, sliding_window_attention)
 
-// grid (q_heads, cols, rows); 32 * ATTN_MERGE_WARPS threads; `kt` as the full layer's merge
-// (entry points `_merge_s16`, `_merge_s64`).
-#define ATTN_RING_MERGE_ENTRY(NAME, PER)                                                          \
+// grid and `kt` as the full layer's merge (entry points `_merge_w8`, `_merge_w16`,
+// `_merge_s64`).
+#define ATTN_RING_MERGE_ENTRY(NAME, PER, WPI)                                                     \
     extern "C" __global__ void __launch_bounds__(32 * ATTN_MERGE_WARPS) NAME(                    \
         const float* ws, const int* start_pos, const int* live, const int* lanes,                \
         __nv_bfloat16* out, int rows, int cols, int q_heads, int head_dim, int n_lanes,          \
@@ -79,7 +79,7 @@ ATTN_SPLIT_ENTRIES(ATTN_RING_ENTRY, sliding_window_attention)
         const AttnRow w = sliding_window_attention_row(start_pos, live, lanes, blockIdx.z, cols, \
                                                        n_lanes, window, base);                   \
         const AttnPlan plan = attn_plan(w.F - w.ctx_lo, w.L, kt, splits);                        \
-        attn_merge_body<PER>(ws, plan.active, (int)blockIdx.y >= w.L, out, rows, cols, q_heads,  \
-                             head_dim, splits);                                                  \
+        attn_merge_body<PER, WPI>(ws, plan.active, (int)blockIdx.y >= w.L, out, rows, cols,     \
+                                  q_heads, head_dim, splits);                                    \
     }
 ATTN_MERGE_ENTRIES(ATTN_RING_MERGE_ENTRY, sliding_window_attention)

@@ -593,37 +593,43 @@ __device__ __forceinline__ void attn_split_body(
 
 // Merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the row's `active` splits
 // (M = max m_s; the bases are integers, so every factor is an exact power of two), RNE to bf16
-// once; dead columns get +0.0. One block per (head, column, row) item, ATTN_MERGE_WARPS warps.
+// once; dead columns get +0.0. A block is ATTN_MERGE_WARPS warps; an item (head, column, row)
+// takes WPI of them (a compile-time choice of the launcher, as PER):
+// - WPI = ATTN_MERGE_WARPS (entry `_merge_s64`): one item per block, warp w sums the splits
+//   s = w (mod WPI), and the warps' sums are added in warp order in shared memory;
+// - WPI = 1 (entries `_merge_w8`, `_merge_w16`): one item per warp, ATTN_MERGE_WARPS items
+//   (consecutive heads) per block, each warp summing all its item's splits: for calls with few
+//   splits, where the block-per-item form keeps too few items' loads in flight per SM.
 // After df_pdl_wait every load of a chunk of 128 elements is issued at once (one round trip):
-// lane s of every warp reads (m, l) of splits s and s + 32, and warp w the 16-byte accumulator
-// chunk (4 consecutive elements per lane) of its splits s = w (mod ATTN_MERGE_WARPS) (scalar
-// loads when the partials are not 16-byte aligned); shuffles then share the factors, warp w
-// sums its splits in increasing s, and the warps' sums are added in warp order in shared
-// memory. `active` comes from the entry point (the row's plan), never from the workspace.
-// PER (a compile-time choice of the launcher): the splits a warp sums, so the entry point
-// takes at most ATTN_MERGE_WARPS * PER splits; each thread holds PER 16-byte chunks in flight,
-// so a small PER keeps the registers (and more blocks per SM) for calls with few splits.
+// lane s reads (m, l) of splits s and s + 32, and each warp the 16-byte accumulator chunk (4
+// consecutive elements per lane) of its PER splits (scalar loads when the partials are not
+// 16-byte aligned); shuffles share the factors and each warp sums its splits in increasing s.
+// An entry point takes at most WPI * PER splits. `active` comes from the entry point (the
+// row's plan), never from the workspace.
 #define ATTN_MAX_SPLITS 64
 #define ATTN_MERGE_WARPS 4
-template <int PER>
+template <int PER, int WPI>
 __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, int active, bool dead,
                                                 __nv_bfloat16* __restrict__ out, int rows,
                                                 int cols, int q_heads, int head_dim, int splits) {
-    __shared__ float4 red[ATTN_MERGE_WARPS][32];
+    static_assert(WPI == 1 || WPI == ATTN_MERGE_WARPS, "a warp or a block per item");
+    static_assert(PER * WPI <= ATTN_MAX_SPLITS, "at most ATTN_MAX_SPLITS splits");
+    __shared__ float4 red[WPI == 1 ? 1 : ATTN_MERGE_WARPS][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int h = blockIdx.x, i = blockIdx.y, r = blockIdx.z;
-    __nv_bfloat16* o = out + (((long long)r * cols + i) * q_heads + h) * head_dim;
-    // Every block waits (also a dead column's): the merge then completes after the split, so
+    const int wi = warp % WPI;  // this warp's share of its item
+    const int h = blockIdx.x * (ATTN_MERGE_WARPS / WPI) + warp / WPI, i = blockIdx.y, r = blockIdx.z;
+    // Every warp waits (also a dead column's): the merge then completes after the split, so
     // work queued after the op sees both finished.
     df_pdl_wait();
+    if (h >= q_heads) return;  // WPI = 1: the last block's spare warps (no barrier follows)
+    __nv_bfloat16* o = out + (((long long)r * cols + i) * q_heads + h) * head_dim;
     if (dead) {
-        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = f2bf(0.0f);
+        for (int d = wi * 32 + lane; d < head_dim; d += 32 * WPI) o[d] = f2bf(0.0f);
         return;
     }
     const long long ml_len = 2LL * rows * cols * q_heads * splits;
     const long long item0 = (((long long)r * cols + i) * q_heads + h) * splits;
-    static_assert(PER * ATTN_MERGE_WARPS <= ATTN_MAX_SPLITS, "at most ATTN_MAX_SPLITS splits");
-    const int n_act = min(max(active, 0), min(splits, PER * ATTN_MERGE_WARPS));
+    const int n_act = min(max(active, 0), min(splits, PER * WPI));
     float ms[2], ls[2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -644,14 +650,14 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, in
         if (vec) {  // one branch for all the loads (they stay in flight together)
 #pragma unroll
             for (int j = 0; j < PER; ++j) {
-                const int s = warp + j * ATTN_MERGE_WARPS;  // s * head_dim < 2^31 (s < 64)
+                const int s = wi + j * WPI;  // s * head_dim < 2^31 (s < 64)
                 v[j] = on && s < n_act ? *reinterpret_cast<const float4*>(a0 + s * head_dim)
                                        : make_float4(0.f, 0.f, 0.f, 0.f);
             }
         } else {
 #pragma unroll
             for (int j = 0; j < PER; ++j) {
-                const int s = warp + j * ATTN_MERGE_WARPS;
+                const int s = wi + j * WPI;
                 const float* a = a0 + s * head_dim;
                 const bool ok = on && s < n_act;
                 v[j].x = ok ? a[0] : 0.f;
@@ -673,30 +679,48 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, in
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
-    for (int c0 = 0;;) {  // block-uniform (shuffles and barriers)
+    const float inv_ok = den > 0.f ? 1.f : 0.f;  // no visible key at all: +0.0
+    for (int c0 = 0;;) {  // uniform over the item's warps (shuffles and barriers)
         float4 n = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
-            const int s = warp + j * ATTN_MERGE_WARPS;
+            const int s = wi + j * WPI;
             const float ws_s = __shfl_sync(0xffffffffu, s < 32 ? w[0] : w[1], s & 31);
             n.x = fmaf(ws_s, v[j].x, n.x);
             n.y = fmaf(ws_s, v[j].y, n.y);
             n.z = fmaf(ws_s, v[j].z, n.z);
             n.w = fmaf(ws_s, v[j].w, n.w);
         }
-        red[warp][lane] = n;
-        __syncthreads();
-        // Thread t finishes element c0 + t: the warps' sums in warp order.
-        const int t = threadIdx.x;
-        if (t < 128 && c0 + t < head_dim) {
-            float num = 0.f;
+        if (WPI == 1) {
+            // Lane l finishes elements c0 + 4l .. c0 + 4l + 3 (one 8-byte store when whole).
+            const int d0 = c0 + 4 * lane;
+            const __nv_bfloat16 b0 = f2bf(inv_ok != 0.f ? n.x / den : 0.f);
+            const __nv_bfloat16 b1 = f2bf(inv_ok != 0.f ? n.y / den : 0.f);
+            const __nv_bfloat16 b2 = f2bf(inv_ok != 0.f ? n.z / den : 0.f);
+            const __nv_bfloat16 b3 = f2bf(inv_ok != 0.f ? n.w / den : 0.f);
+            if (vec && d0 + 3 < head_dim) {
+                *reinterpret_cast<uint2*>(o + d0) = make_uint2(df_pack_bf16(b0, b1), df_pack_bf16(b2, b3));
+            } else {
+                if (d0 < head_dim) o[d0] = b0;
+                if (d0 + 1 < head_dim) o[d0 + 1] = b1;
+                if (d0 + 2 < head_dim) o[d0 + 2] = b2;
+                if (d0 + 3 < head_dim) o[d0 + 3] = b3;
+            }
+        } else {
+            red[warp][lane] = n;
+            __syncthreads();
+            // Thread t finishes element c0 + t: the warps' sums in warp order.
+            const int t = threadIdx.x;
+            if (t < 128 && c0 + t < head_dim) {
+                float num = 0.f;
 #pragma unroll
-            for (int k = 0; k < ATTN_MERGE_WARPS; ++k) num += reinterpret_cast<const float*>(red[k])[t];
-            o[c0 + t] = f2bf(den > 0.f ? num / den : 0.0f);
+                for (int k = 0; k < ATTN_MERGE_WARPS; ++k) num += reinterpret_cast<const float*>(red[k])[t];
+                o[c0 + t] = f2bf(inv_ok != 0.f ? num / den : 0.0f);
+            }
         }
         c0 += 128;
         if (c0 >= head_dim) break;
-        __syncthreads();
+        if (WPI != 1) __syncthreads();
         load_chunk(c0);
     }
 }
@@ -750,22 +774,25 @@ __device__ __forceinline__ void softmax_attention_split_entry(
     }
 ATTN_SPLIT_ENTRIES(ATTN_FULL_ENTRY, softmax_attention)
 
-// The merge entry points of attention op OP, as X(NAME, PER): `OP_merge_s16` (at most 16
-// splits) and `OP_merge_s64` (at most 64). Mirrored by the launcher's `merge_name`.
+// The merge entry points of attention op OP, as X(NAME, PER, WPI): `OP_merge_w8` and
+// `OP_merge_w16` (a warp per item, at most 8 or 16 splits; grid x = ceil(Hq / 4)) and
+// `OP_merge_s64` (a block per item, at most 64; grid x = Hq). Mirrored by the launcher's
+// `merge_entry`.
 #define ATTN_MERGE_ENTRIES(X, OP) \
-    X(OP##_merge_s16, 4)          \
-    X(OP##_merge_s64, 16)
+    X(OP##_merge_w8, 8, 1)        \
+    X(OP##_merge_w16, 16, 1)      \
+    X(OP##_merge_s64, 16, ATTN_MERGE_WARPS)
 
-// grid (q_heads, cols, rows); 32 * ATTN_MERGE_WARPS threads; `kt` = the split's AttnCfg<DP>::KT
+// grid (x, cols, rows) as above; 32 * ATTN_MERGE_WARPS threads; `kt` = the split's AttnCfg<DP>::KT
 // (attend::tile_keys). Row metadata is read before df_pdl_wait: the split never writes it.
-#define ATTN_FULL_MERGE_ENTRY(NAME, PER)                                                          \
+#define ATTN_FULL_MERGE_ENTRY(NAME, PER, WPI)                                                     \
     extern "C" __global__ void __launch_bounds__(32 * ATTN_MERGE_WARPS) NAME(                    \
         const float* ws, const int* start_pos, const int* live, __nv_bfloat16* out, int rows,    \
         int cols, int q_heads, int head_dim, int max_pages, int page_size, int splits, int kt) { \
         const AttnRow w =                                                                        \
             softmax_attention_row(start_pos, live, blockIdx.z, cols, max_pages, page_size);      \
         const AttnPlan plan = attn_plan(w.F - w.ctx_lo, w.L, kt, splits);                        \
-        attn_merge_body<PER>(ws, plan.active, (int)blockIdx.y >= w.L, out, rows, cols, q_heads,  \
-                             head_dim, splits);                                                  \
+        attn_merge_body<PER, WPI>(ws, plan.active, (int)blockIdx.y >= w.L, out, rows, cols,     \
+                                  q_heads, head_dim, splits);                                    \
     }
 ATTN_MERGE_ENTRIES(ATTN_FULL_MERGE_ENTRY, softmax_attention)

@@ -19,12 +19,9 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 /// Threads of a split block (four warps, one m16 query tile each: `ATTN_THREADS`).
 const SPLIT_THREADS: u32 = 128;
 
-/// Warps of a merge block (one block per (head, column, row), the warps share its splits:
-/// `ATTN_MERGE_WARPS`).
+/// Warps of a merge block (`ATTN_MERGE_WARPS`): the warps of one item (`_merge_s64`) or one
+/// item each (`_merge_w8`, `_merge_w16`).
 const MERGE_WARPS: u32 = 4;
-
-/// The most splits the small merge entry point (`_merge_s16`: 4 per warp) takes.
-const MERGE_SMALL_SPLITS: usize = 16;
 
 /// Where a row's context lives: the only thing that differs between the two ops.
 pub(crate) enum AttnContext<'a> {
@@ -85,16 +82,20 @@ fn split_name(op: &str, dp: usize, pairs: bool) -> &'static str {
     }
 }
 
-/// The merge entry point of `op` for `splits` launched splits: the names
-/// `ATTN_MERGE_ENTRIES` instantiates (`_merge_s16` takes at most
-/// [`MERGE_SMALL_SPLITS`] splits and needs fewer registers, `_merge_s64` up to
-/// [`attend::MAX_SPLITS`]).
-fn merge_name(op: &str, splits: usize) -> &'static str {
-    match (op == "softmax_attention", splits <= MERGE_SMALL_SPLITS) {
-        (true, true) => "softmax_attention_merge_s16",
-        (true, false) => "softmax_attention_merge_s64",
-        (false, true) => "sliding_window_attention_merge_s16",
-        (false, false) => "sliding_window_attention_merge_s64",
+/// The merge entry point of `op` for `splits` launched splits and its items per block: the
+/// names `ATTN_MERGE_ENTRIES` instantiates. `_merge_w8` / `_merge_w16` (a warp per item,
+/// [`MERGE_WARPS`] items per block, at most 8 / 16 splits: calls with few splits keep many
+/// items' loads in flight per SM) or `_merge_s64` (a block per item, its warps sharing the
+/// splits, up to [`attend::MAX_SPLITS`]).
+fn merge_entry(op: &str, splits: usize) -> (&'static str, u32) {
+    let full = op == "softmax_attention";
+    match splits {
+        0..=8 if full => ("softmax_attention_merge_w8", MERGE_WARPS),
+        0..=8 => ("sliding_window_attention_merge_w8", MERGE_WARPS),
+        9..=16 if full => ("softmax_attention_merge_w16", MERGE_WARPS),
+        9..=16 => ("sliding_window_attention_merge_w16", MERGE_WARPS),
+        _ if full => ("softmax_attention_merge_s64", 1),
+        _ => ("sliding_window_attention_merge_s64", 1),
     }
 }
 
@@ -108,7 +109,7 @@ pub(crate) struct AttnCall<'a> {
 }
 
 /// Launch the split kernel `{op}_split_d{DP}` (or `_d{DP}_ks2`, see
-/// [`attend::key_split_pairs`]) and the merge `{op}_merge_s16` or `_s64` (see [`merge_name`]) of module `op` (source `source`).
+/// [`attend::key_split_pairs`]) and the merge `{op}_merge_w8`, `_w16` or `_s64` (see [`merge_entry`]) of module `op` (source `source`).
 /// Shapes were validated by the op's `run`.
 ///
 /// Grid of the split: (splits, Hkv * row_blocks, rows) with row_blocks = ceil(G * cols / 64)
@@ -240,10 +241,14 @@ pub(crate) fn launch(
     let (start_p, _start) = t.start_pos.device(op, "start_pos")?.device_ptr(stream);
     let (live_p, _live) = t.live.device(op, "live")?.device_ptr(stream);
     let (out_p, _out) = out.device_mut(op, "out")?.device_ptr_mut(stream);
-    let merge_name = merge_name(op, splits);
+    let (merge_name, items) = merge_entry(op, splits);
     let merge = c.function(op, source, merge_name)?;
     let merge_cfg = LaunchConfig {
-        grid_dim: (g.q_heads as u32, g.cols as u32, g.rows as u32),
+        grid_dim: (
+            (g.q_heads as u32).div_ceil(items),
+            g.cols as u32,
+            g.rows as u32,
+        ),
         block_dim: (32 * MERGE_WARPS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -273,7 +278,7 @@ pub(crate) fn launch(
         .map(RawArg::Ptr)
         .chain([rows, cols, hq, d, ctx_ints[0], ctx_ints[1], sp, kt].map(RawArg::I32))
         .collect();
-    // SAFETY: `merge_args` matches `{op}_merge_s16` / `_s64` (kernels/softmax_attention.cu
+    // SAFETY: `merge_args` matches `{op}_merge_w8` / `_w16` / `_s64` (kernels/softmax_attention.cu
     // and sliding_window_attention.cu) in order and type; lengths were checked by `run` (out
     // = rows*cols*Hq*D, start_pos = live = lanes = rows, workspace >= workspace_len); the
     // pointers' guards live to the end of this function. Before df_pdl_wait the merge reads

@@ -67,12 +67,13 @@
 //!   terms hi + lo of the type of the V it multiplies (FP16 against the context's F16 V, BF16
 //!   against the block's BF16 V: one FP16 term, 11 bits, loses more than the tolerance where
 //!   the weighted values cancel); the softmax sum adds the same represented weights.
-//! - Merge: each active split writes FP32 partials (max, sum, accumulator); the merge (grid
-//!   (Hq, cols, rows), four warps sharing an item's splits) recomputes the row's split plan
-//!   from the same metadata, reads every (max, sum) and every accumulator chunk of the active
-//!   splits in one round trip, combines them with exact power-of-two factors and writes the
-//!   dead columns' zeros. Entry `_merge_s16` (at most 16 launched splits, 4 chunks in flight
-//!   per thread: few registers, many blocks per SM) or `_merge_s64` (up to 64).
+//! - Merge: each active split writes FP32 partials (max, sum, accumulator); the merge
+//!   recomputes the row's split plan from the same metadata, reads every (max, sum) and every
+//!   accumulator chunk of an item's active splits in one round trip, combines them with exact
+//!   power-of-two factors and writes the dead columns' zeros. Entries by the launched split
+//!   count: `_merge_w8` / `_merge_w16` (at most 8 / 16: one warp per (head, column, row) item,
+//!   four items per block, so a call with few splits keeps many items' loads in flight per
+//!   SM) or `_merge_s64` (up to 64: one block per item, its four warps sharing the splits).
 //! - Launch: on compute capability 9.0 and later the merge is a programmatic dependent launch
 //!   of the split (`CudaBackend::launch_dependent`): its blocks become resident and read their
 //!   row's metadata while the split still runs, then wait for the split's completion before
