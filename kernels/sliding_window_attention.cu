@@ -36,7 +36,7 @@ __device__ __forceinline__ AttnRow sliding_window_attention_row(const int* start
     return w;
 }
 
-// grid (splits, kv_heads * row_blocks, rows), ATTN_THREADS threads, dynamic shared memory
+// grid (kv_heads * row_blocks, rows, splits), ATTN_THREADS threads, dynamic shared memory
 // attend::smem_bytes(DP); entry points as the full layer's (`_d{DP}`, `_d{DP}_ks2`).
 template <int DP, int KS>
 __device__ __forceinline__ void sliding_window_attention_split_entry(
@@ -44,9 +44,9 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
     const __nv_bfloat16* ring_k, const __half* ring_v, const int* lanes, const int* start_pos,
     const int* live, float* ws, int rows, int cols, int q_heads, int kv_heads, int head_dim,
     int n_lanes, int window, int splits, int row_blocks) {
-    const int s = blockIdx.x;
-    const int kvh = blockIdx.y / row_blocks, rb = blockIdx.y % row_blocks;
-    const int r = blockIdx.z;
+    const int s = blockIdx.z;  // split-major block order, as the full layer's
+    const int kvh = blockIdx.x / row_blocks, rb = blockIdx.x % row_blocks;
+    const int r = blockIdx.y;
     AttnRingCtx ctx;
     const AttnRow w = sliding_window_attention_row(start_pos, live, lanes, r, cols, n_lanes, window,
                                                    ctx.base);

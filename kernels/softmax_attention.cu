@@ -116,6 +116,12 @@ struct AttnPagedCtx {
     }
 };
 
+// Block order of the split kernels: grid (kv_heads * row_blocks, rows, splits), so the linear
+// block index is split-major (every (row, KV head, row block) item's split 0 first, then split
+// 1, ...). A row's splits past its active count exit at once; in this order the blocks with
+// work come first, and the hardware (which dispatches blocks by increasing linear index)
+// spreads them evenly over the SMs instead of leaving some SMs one more busy block than others.
+
 // Tiles of a row and how they are split: computed by the split body and by the merge entry
 // points from the row's extent (AttnRow), so both agree on the active splits.
 struct AttnPlan {
@@ -739,8 +745,8 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, in
     X(OP##_split_d64_ks2, 64, 2, ATTN_MIN_BLOCKS)       \
     X(OP##_split_d128_ks2, 128, 2, ATTN_MIN_BLOCKS)
 
-// Full-layer entry: grid (splits, kv_heads * row_blocks, rows), ATTN_THREADS threads,
-// dynamic shared memory attend::smem_bytes(DP).
+// Full-layer entry: grid (kv_heads * row_blocks, rows, splits), ATTN_THREADS threads, dynamic
+// shared memory attend::smem_bytes(DP).
 template <int DP, int KS>
 __device__ __forceinline__ void softmax_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
@@ -748,9 +754,9 @@ __device__ __forceinline__ void softmax_attention_split_entry(
     const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,
     int kv_heads, int head_dim, int pages, int page_size, int max_pages, int splits,
     int row_blocks) {
-    const int s = blockIdx.x;
-    const int kvh = blockIdx.y / row_blocks, rb = blockIdx.y % row_blocks;
-    const int r = blockIdx.z;
+    const int s = blockIdx.z;  // split-major block order (see above)
+    const int kvh = blockIdx.x / row_blocks, rb = blockIdx.x % row_blocks;
+    const int r = blockIdx.y;
     const AttnRow w = softmax_attention_row(start_pos, live, r, cols, max_pages, page_size);
     AttnPagedCtx ctx;
     ctx.table_row = page_table + (long long)r * max_pages;

@@ -109,13 +109,15 @@ pub(crate) struct AttnCall<'a> {
 }
 
 /// Launch the split kernel `{op}_split_d{DP}` (or `_d{DP}_ks2`, see
-/// [`attend::key_split_pairs`]) and the merge `{op}_merge_w8`, `_w16` or `_s64` (see [`merge_entry`]) of module `op` (source `source`).
+/// [`attend::key_split_pairs`]) and the merge `{op}_merge_w8`, `_w16` or `_s64` (see
+/// [`merge_entry`]) of module `op` (source `source`).
 /// Shapes were validated by the op's `run`.
 ///
-/// Grid of the split: (splits, Hkv * row_blocks, rows) with row_blocks = ceil(G * cols / 64)
-/// and splits = min(split bound, resident blocks of the device / (rows * Hkv * row_blocks)),
-/// at least 1: the batch plus its splits fill the device once, never more than the workspace
-/// was sized for. Each row then uses only the splits its visible key range needs.
+/// Grid of the split: (Hkv * row_blocks, rows, splits), a split-major block order (every
+/// item's split 0 first, so the blocks with work spread evenly over the SMs) with row_blocks = ceil(G * cols / 64) and splits = min(split bound, resident blocks of
+/// the device / (rows * Hkv * row_blocks)), at least 1: the batch plus its splits fill the
+/// device once, never more than the workspace was sized for. Each row then uses only the
+/// splits its visible key range needs (the others exit at once).
 pub(crate) fn launch(
     c: &CudaBackend,
     op: &'static str,
@@ -166,8 +168,9 @@ pub(crate) fn launch(
     let resident = kernel.blocks_per_sm * c.limits().sm_count;
     let per_split = g.rows * grid_y;
     let splits = (resident / per_split.max(1)).clamp(1, attend::split_count(g, key_capacity));
+    // Split-major block order (kernels/softmax_attention.cu): the items in x, the splits in z.
     let split_cfg = LaunchConfig {
-        grid_dim: (splits as u32, grid_y as u32, g.rows as u32),
+        grid_dim: (grid_y as u32, g.rows as u32, splits as u32),
         block_dim: (SPLIT_THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };

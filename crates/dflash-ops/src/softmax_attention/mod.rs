@@ -44,8 +44,10 @@
 //! CUDA (kernels/softmax_attention.cu; one body and one launcher for both attention ops, which
 //! differ only in the context map and the window).
 //! - Work split: the Hq / Hkv query heads of a KV head times the live columns of a request
-//!   form up to 64 query rows (four m16 tiles) that share every K/V tile; grid (splits, Hkv *
-//!   row blocks, rows), 128 threads. A row's key list is its visible context (here `[0, F)`)
+//!   form up to 64 query rows (four m16 tiles) that share every K/V tile; grid (Hkv * row
+//!   blocks, rows, splits) of 128 threads, a split-major block order (every item's first
+//!   split first, so the blocks with work spread evenly over the SMs; a row's splits past its
+//!   active count exit at once). A row's key list is its visible context (here `[0, F)`)
 //!   in tiles of 32 keys (16 for head dims above 128), then its live block columns; each
 //!   active split takes consecutive tiles, so the work follows the live context (a row with
 //!   300 keys uses 10 tiles whatever the capacity). The launched split count is
