@@ -329,6 +329,19 @@ proptest! {
     }
 }
 
+/// What the two device models share: an entry (value, id), the empty entry and the total
+/// order of the kernels (`ph_beats`: larger value, then lower id).
+mod model {
+    pub(super) const K: usize = 16;
+    pub(super) const NO_ID: i32 = i32::MAX;
+    pub(super) type Entry = (f32, i32);
+    pub(super) const EMPTY: Entry = (f32::NEG_INFINITY, NO_ID);
+
+    pub(super) fn beats(a: Entry, b: Entry) -> bool {
+        a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
+    }
+}
+
 /// A model of the CUDA top-16 epilogue (`PhTopk` in kernels/unary_topk.cu), one column of
 /// one block: the running list; per tile, 32 holders of 4 logits each; passes in which every
 /// holder first skips the column when its max is below a full list's threshold, else appends
@@ -339,18 +352,11 @@ proptest! {
 /// a wrong rank (ties, empty entries), a lost second candidate of a holder or a wrong skip
 /// fails here without a GPU.
 mod epilogue_model {
+    use super::model::{EMPTY, Entry, K, NO_ID, beats};
     use proptest::prelude::*;
 
-    const K: usize = 16;
     const CAP: usize = 32;
     const HOLDERS: usize = 32;
-    const NO_ID: i32 = i32::MAX;
-    type Entry = (f32, i32);
-    const EMPTY: Entry = (f32::NEG_INFINITY, NO_ID);
-
-    fn beats(a: Entry, b: Entry) -> bool {
-        a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
-    }
 
     /// `ut_push` exactly as the kernel runs it: skip unless `x` beats the last entry, then one
     /// compare-and-shift step per slot from the end (both compares against the old values).
@@ -732,16 +738,8 @@ fn rising_fixture_puts_the_last_public_rows_first_and_negated_columns_reversed()
 /// step (b not reversed, a missing half-cleaner stage), a butterfly that drops a lane or a
 /// fold of a second list per thread that loses entries fails here without a GPU.
 mod merge_model {
+    use super::model::{EMPTY, Entry, K, NO_ID, beats};
     use proptest::prelude::*;
-
-    const K: usize = 16;
-    const NO_ID: i32 = i32::MAX;
-    type Entry = (f32, i32);
-    const EMPTY: Entry = (f32::NEG_INFINITY, NO_ID);
-
-    fn beats(a: Entry, b: Entry) -> bool {
-        a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
-    }
 
     /// `ut_merge16`: the better of a[j] and b[15 - j], then half-cleaners of stride 8, 4, 2, 1.
     fn merge16(a: &mut [Entry; K], b: &[Entry; K]) {
