@@ -33,17 +33,17 @@
 //   ws[2 * item + 1] = l (sum of 2^(score - m)),
 //   ws[ML + item * D + d] = acc[d] (sum of 2^(score - m) * v[d]), ML = 2 * rows * cols * Hq * splits.
 // Only the active splits of a row write their items; nothing else is written.
-// The merge (one block per (head, column, row), its warps sharing the splits) recomputes the
-// row's plan from the same metadata (attn_plan on the row's extent), combines the active
+// The merge (a warp or a block per (head, column, row) item, see attn_merge_body) recomputes
+// the row's plan from the same metadata (attn_plan on the row's extent), combines the active
 // splits with exact power-of-two factors and writes +0.0 for dead columns.
 //
 // Launch. The merge is a programmatic dependent launch of the split where the device has it
 // (sm_90 and later, see df_pdl_wait; CudaBackend::launch_dependent): every split block allows
-// it at once, so the merge's blocks are resident, and have read their row's metadata and
-// computed its plan, by the time the last split block finishes (that metadata is never
-// written by the split, and the split, an ordinary launch, started after its writers had
-// finished); each then waits for the split's completion before it reads a partial or writes
-// the output.
+// it at once, so the merge's blocks can become resident, and read their row's metadata and
+// compute its plan, while the split still runs (as far as the SMs have room: the rest start
+// as split blocks finish; that metadata is never written by the split, and the split, an
+// ordinary launch, started after its writers had finished); each then waits for the split's
+// completion before it reads a partial or writes the output.
 
 #define ATTN_THREADS 128
 #define ATTN_ROWS 64

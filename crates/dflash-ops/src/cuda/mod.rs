@@ -49,7 +49,7 @@ pub enum KernelVariants {
     #[default]
     Auto,
     /// Only the portable variants (what every sm_80+ device runs), launched as ordinary
-    /// kernels (no programmatic dependent launch, see [`CudaBackend::launch_dependent`]), e.g.
+    /// kernels (no programmatic dependent launch, see `CudaBackend::launch_dependent`), e.g.
     /// to compare the two on a Hopper GPU.
     Portable,
 }
@@ -65,7 +65,7 @@ pub struct CudaOptions {
 pub const ARCH_SPECIFIC_OPS: [&str; 2] = [crate::proposal_argmax::OP, crate::unary_topk::OP];
 
 /// Ops that launch a kernel as a programmatic dependent of the one before it on compute
-/// capability 9.0 and later ([`CudaBackend::launch_dependent`]: the attention merges), unless
+/// capability 9.0 and later (`CudaBackend::launch_dependent`: the attention merges), unless
 /// [`KernelVariants::Portable`].
 pub const DEPENDENT_LAUNCH_OPS: [&str; 2] = [
     crate::softmax_attention::OP,
@@ -440,7 +440,7 @@ impl CudaBackend {
         self.inner.sm90a
     }
 
-    /// Whether [`Self::launch_dependent`] makes programmatic dependent launches (compute
+    /// Whether `launch_dependent` (crate-internal) makes programmatic dependent launches (compute
     /// capability 9.0 and later, [`KernelVariants::Auto`]); otherwise it launches as usual.
     pub fn uses_dependent_launch(&self) -> bool {
         self.inner.dependent_launch

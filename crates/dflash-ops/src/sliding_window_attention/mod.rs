@@ -329,6 +329,35 @@ pub(crate) fn cases() -> Vec<Case> {
                 seed: 22,
             }),
         ),
+        // Head dim 256 (16-key tiles, the d256 split): a window of 2048 (about 33 launched
+        // splits: the block-per-item merge) and one of 100 (a few splits: a warp per item),
+        // each over two 128-element chunks.
+        Case::new(
+            OP,
+            "small_d256_hq4_hkv1_window2048_rows1",
+            case(CaseSpec {
+                q_heads: 4,
+                kv_heads: 1,
+                head_dim: 256,
+                cols: 5,
+                window: 2048,
+                rows: vec![(3000, 5)],
+                seed: 34,
+            }),
+        ),
+        Case::new(
+            OP,
+            "small_d256_hq4_hkv1_window100_rows2",
+            case(CaseSpec {
+                q_heads: 4,
+                kv_heads: 1,
+                head_dim: 256,
+                cols: 5,
+                window: 100,
+                rows: vec![(300, 5), (50, 2)],
+                seed: 35,
+            }),
+        ),
         Case::new(
             OP,
             "official_heads_s128_rows2_k15",

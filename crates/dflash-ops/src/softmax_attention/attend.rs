@@ -236,9 +236,7 @@ pub(crate) fn check_common(op: &'static str, g: &Geometry, t: &Lens) -> Result<(
             op,
             tensor: "workspace",
             expected: need,
-            shape: format!(
-                "at least rows*cols*q_heads*splits*(head_dim+2) + rows with splits={splits}"
-            ),
+            shape: format!("at least rows*cols*q_heads*splits*(head_dim+2) with splits={splits}"),
             found: t.workspace,
         });
     }
@@ -504,7 +502,9 @@ fn scale(m: f32, base: f32) -> f32 {
 /// terms hi + lo for context keys and two BF16 terms hi + lo for block keys, with the softmax
 /// sum over the represented terms, the workspace layout
 /// (poisoned with NaN so reading an unwritten partial shows) and the merge, which recomputes
-/// the plan as the kernel's does. Only the summation order inside a tile (the MMA's) differs from the device.
+/// the plan as the kernel's does. Only summation orders differ from the device: inside a tile
+/// (the MMA's) and in the merge (the device adds the softmax sums by shuffles, and
+/// `_merge_s64` adds four warps' partial numerators).
 /// `row_ctx(r)` gives the kernel's (F, ctx_lo) of row r, `slot(r, p)` the flat slot or -1;
 /// `window` 0 = none.
 #[cfg(test)]

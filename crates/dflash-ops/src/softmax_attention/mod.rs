@@ -71,15 +71,16 @@
 //!   the weighted values cancel); the softmax sum adds the same represented weights.
 //! - Merge: each active split writes FP32 partials (max, sum, accumulator); the merge
 //!   recomputes the row's split plan from the same metadata, reads every (max, sum) and every
-//!   accumulator chunk of an item's active splits in one round trip, combines them with exact
-//!   power-of-two factors and writes the dead columns' zeros. Entries by the launched split
+//!   accumulator chunk of an item's active splits in one round trip per 128 elements of the
+//!   head (one for D <= 128), combines them with exact power-of-two factors and writes the
+//!   dead columns' zeros. Entries by the launched split
 //!   count: `_merge_w8` / `_merge_w16` (at most 8 / 16: one warp per (head, column, row) item,
 //!   four items per block, so a call with few splits keeps many items' loads in flight per
 //!   SM) or `_merge_s64` (up to 64: one block per item, its four warps sharing the splits).
 //! - Launch: on compute capability 9.0 and later the merge is a programmatic dependent launch
-//!   of the split (`CudaBackend::launch_dependent`): its blocks become resident and read their
-//!   row's metadata while the split still runs, then wait for the split's completion before
-//!   reading a partial. The portable kernel variants ([`crate::cuda::KernelVariants::Portable`])
+//!   of the split (`CudaBackend::launch_dependent`): its blocks can become resident and read
+//!   their row's metadata while the split still runs, then wait for the split's completion
+//!   before reading a partial. The portable kernel variants (`KernelVariants::Portable`)
 //!   launch it as usual.
 //! - Head dims are padded to 16, 32, 64, 128 or 256 with zeros in shared memory; D % 8 != 0
 //!   uses 4-byte copies; context slots are addressed in 32 bits (pages * page_size and lanes *
@@ -468,6 +469,22 @@ pub(crate) fn cases() -> Vec<Case> {
                 rows: vec![(70, 5), (3, 4)],
                 spare: 5,
                 seed: 19,
+            }),
+        ),
+        // Head dim 256 (16-key tiles, the d256 split) with a frontier of 2000: about 33
+        // launched splits, so the block-per-item merge over two 128-element chunks.
+        Case::new(
+            OP,
+            "small_d256_hq4_hkv1_p16_rows1_f2000",
+            case(CaseSpec {
+                q_heads: 4,
+                kv_heads: 1,
+                head_dim: 256,
+                cols: 5,
+                page_size: 16,
+                rows: vec![(2000, 5)],
+                spare: 3,
+                seed: 20,
             }),
         ),
     ]

@@ -46,10 +46,11 @@
 //! compare-and-shift insertion each, all columns at once), below that by one warp per
 //! column, by rank. This is exact because thresholds only rise.
 //! Each warpgroup writes its list per column; the merge (one block per column, one thread per
-//! partial list) takes the top 16 of the P * 16 partials: the lists are combined pairwise
-//! (lanes of a warp by shuffles in 5 butterfly levels, then the warps' lists in one warp), each
-//! step keeping the top 16 of two sorted lists by a bitonic merge (the better of a[j] and
-//! b[15 - j], then four half-cleaner stages).
+//! partial list up to 512 threads, beyond which a thread first folds several lists) takes the
+//! top 16 of the P * 16 partials: the lists are combined pairwise (lanes of a warp by shuffles
+//! in 5 butterfly levels, then the warps' lists in one warp), each step keeping the top 16 of
+//! two sorted lists by a bitonic merge (the better of `a[j]` and `b[15 - j]`, then four
+//! half-cleaner stages).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
