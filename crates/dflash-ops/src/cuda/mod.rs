@@ -440,8 +440,9 @@ impl CudaBackend {
         self.inner.sm90a
     }
 
-    /// Whether `launch_dependent` (crate-internal) makes programmatic dependent launches (compute
-    /// capability 9.0 and later, [`KernelVariants::Auto`]); otherwise it launches as usual.
+    /// Whether the ops of [`DEPENDENT_LAUNCH_OPS`] launch their second kernel as a programmatic
+    /// dependent of the first (compute capability 9.0 and later, [`KernelVariants::Auto`]);
+    /// otherwise every kernel is an ordinary launch.
     pub fn uses_dependent_launch(&self) -> bool {
         self.inner.dependent_launch
     }

@@ -114,10 +114,11 @@ pub(crate) struct AttnCall<'a> {
 /// Shapes were validated by the op's `run`.
 ///
 /// Grid of the split: (Hkv * row_blocks, rows, splits), a split-major block order (every
-/// item's split 0 first, so the blocks with work spread evenly over the SMs) with row_blocks = ceil(G * cols / 64) and splits = min(split bound, resident blocks of
-/// the device / (rows * Hkv * row_blocks)), at least 1: the batch plus its splits fill the
-/// device once, never more than the workspace was sized for. Each row then uses only the
-/// splits its visible key range needs (the others exit at once).
+/// item's split 0 first, so the blocks with work spread evenly over the SMs), with row_blocks
+/// = ceil(G * cols / 64) and splits = min(split bound, resident blocks of the device / (rows *
+/// Hkv * row_blocks)), at least 1: the batch plus its splits fill the device once, never more
+/// than the workspace was sized for. Each row then uses only the splits its visible key range
+/// needs (the others exit at once).
 pub(crate) fn launch(
     c: &CudaBackend,
     op: &'static str,
@@ -281,8 +282,8 @@ pub(crate) fn launch(
         .map(RawArg::Ptr)
         .chain([rows, cols, hq, d, ctx_ints[0], ctx_ints[1], sp, kt].map(RawArg::I32))
         .collect();
-    // SAFETY: `merge_args` matches `{op}_merge_w8` / `_w16` / `_s64` (kernels/softmax_attention.cu
-    // and sliding_window_attention.cu) in order and type; lengths were checked by `run` (out
+    // SAFETY: `merge_args` matches `{op}_merge_w8` / `_w16` / `_s64`
+    // (kernels/softmax_attention.cu and sliding_window_attention.cu) in order and type; lengths were checked by `run` (out
     // = rows*cols*Hq*D, start_pos = live = lanes = rows, workspace >= workspace_len); the
     // pointers' guards live to the end of this function. Before df_pdl_wait the merge reads
     // only row metadata, which the split never writes and whose writers finished before the
