@@ -249,20 +249,23 @@ __device__ __forceinline__ void attn_split_body(
             q + (((long long)r * cols + (valid ? i : 0)) * q_heads + kvh * group + hh) * head_dim);
     };
 
-    // Q rows of this block (row m = i * G + hh), zero when past the live columns.
+    // Q rows of this block (row m = i * G + hh), zero when past the live columns; only the
+    // rows of the m16 tiles that live warps read (q_rows).
+    const int q_rows = (live_rows + 15) / 16 * 16;
     if (fast) {
         constexpr int CH = DP / 8, PER = ATTN_ROWS * CH / ATTN_THREADS, MSTEP = ATTN_THREADS / CH;
         const int c = tid % CH;
 #pragma unroll
         for (int u = 0; u < PER; ++u) {
             const int m = tid / CH + u * MSTEP;
+            if (m >= q_rows) break;  // m grows with u
             bool valid;
             const unsigned short* src = q_src(m, valid);
             df_cp_async16(df_smem_u32(Qs + m * LD + c * 8), valid ? (const void*)(src + c * 8) : (const void*)q,
                           valid);
         }
     } else {
-        for (int e = tid; e < ATTN_ROWS * chunks; e += ATTN_THREADS) {
+        for (int e = tid; e < q_rows * chunks; e += ATTN_THREADS) {
             const int m = e / chunks, c = e % chunks;
             bool valid;
             const unsigned short* src = q_src(m, valid);
@@ -272,18 +275,33 @@ __device__ __forceinline__ void attn_split_body(
 
     // Slot (or block column) of key t of tile tt, -1 when invalid. The context keys of one
     // tile are the consecutive positions p0 + t (p0 = ctx_lo + tt * KT); with q0 = p0 / unit,
-    // r0 = p0 % unit and b0 = the first slot of unit q0 (computed once per tile), key t is
-    // b0 + r0 + t while r0 + t < unit (the same page, or no ring wrap), else resolved alone.
+    // r0 = p0 % unit and b0 = the first slot of unit q0, key t is b0 + r0 + t while r0 + t <
+    // unit (the same page, or no ring wrap), else resolved alone. Tiles are staged in
+    // increasing order t0, t0 + 1, ... (the prologue, then one per step), so (q0, r0) is
+    // advanced by KT per staged tile instead of divided out, and b0 (a page-table read on the
+    // full layer) is read one staged tile ahead: its latency overlaps a whole tile step.
     struct TileAddr { int r0, b0; };
-    auto tile_addr = [&](int tt) -> TileAddr {
+    int nx_q = 0, nx_r = 0, nx_b = -1;  // (q0, r0, b0) of the next context tile to stage
+    if (t0 < plan.t_ctx) {
+        const int p0 = ctx_lo + t0 * KT;
+        nx_q = p0 / unit;
+        nx_r = p0 - nx_q * unit;
+        nx_b = ctx.unit_base(nx_q);
+    }
+    // The address of tile tt (the next one to stage), then advance to tile tt + 1.
+    auto next_tile_addr = [&](int tt) -> TileAddr {
         TileAddr a;
         a.r0 = unit;  // block tiles: unused
         a.b0 = -1;
         if (tt < plan.t_ctx) {
-            const int p0 = ctx_lo + tt * KT;
-            const int q0 = p0 / unit;
-            a.r0 = p0 - q0 * unit;
-            a.b0 = ctx.unit_base(q0);
+            a.r0 = nx_r;
+            a.b0 = nx_b;
+            nx_r += KT;
+            while (nx_r >= unit) {  // once at most when unit >= KT
+                nx_r -= unit;
+                ++nx_q;
+            }
+            if (tt + 1 < plan.t_ctx) nx_b = ctx.unit_base(nx_q);
         }
         return a;
     };
@@ -298,13 +316,24 @@ __device__ __forceinline__ void attn_split_body(
         const int j = (tt - plan.t_ctx) * KT + t;
         return j < L ? j : -1;
     };
+    // This thread's rows and chunk of a staged tile (head_dim == DP, KT * DP / 8 >= threads):
+    // keys ld_t + u * LD_KSTEP (u < LD_PER), chunk ld_c.
+    constexpr int LD_CH = DP / 8;
+    constexpr int LD_PER = KT * LD_CH / ATTN_THREADS > 0 ? KT * LD_CH / ATTN_THREADS : 1;
+    constexpr int LD_KSTEP = ATTN_THREADS / LD_CH > 0 ? ATTN_THREADS / LD_CH : 1;
+    const int ld_t = tid / LD_CH, ld_c = tid % LD_CH;
     // Stage tile tt into buffer st: K, V rows, their kpos (context: p - F in -n_ctx..-1;
     // block: the column; ATTN_NO_KEY when invalid) and the tile's full flag.
+    // A context tile whose KT keys are valid consecutive slots of one unit (a "contiguous"
+    // tile: every context tile of the benchmark shapes but the last and a ring's wrap) takes
+    // one address and constant strides; the others resolve each key.
     auto load_tile = [&](int tt, int st) {
         unsigned short* Ks = KVs + (2 * st) * KT * LD;
         unsigned short* Vs = KVs + (2 * st + 1) * KT * LD;
         const bool is_ctx = tt < plan.t_ctx;
-        const TileAddr ta = tile_addr(tt);
+        const TileAddr ta = next_tile_addr(tt);
+        const bool contiguous =
+            is_ctx && ta.b0 >= 0 && ta.r0 + KT <= unit && (tt + 1) * KT <= n_ctx;
         const unsigned short* kbase = reinterpret_cast<const unsigned short*>(is_ctx ? ctx_k : k_blk);
         const unsigned short* vbase = is_ctx ? reinterpret_cast<const unsigned short*>(ctx_v)
                                              : reinterpret_cast<const unsigned short*>(v_blk);
@@ -312,30 +341,36 @@ __device__ __forceinline__ void attn_split_body(
         auto row_off = [&](int sl) -> long long {
             return (is_ctx ? 0LL : blk0) + (long long)sl * slot_stride + kvh_off;
         };
-        if (fast) {
-            constexpr int CH = DP / 8;
-            constexpr int PER = KT * CH / ATTN_THREADS > 0 ? KT * CH / ATTN_THREADS : 1;
-            constexpr int KSTEP = ATTN_THREADS / CH > 0 ? ATTN_THREADS / CH : 1;
-            if (KT * CH >= ATTN_THREADS) {
-                const int c = tid % CH;
-                int sl[PER];
+        if (fast && KT * LD_CH >= ATTN_THREADS) {
+            const unsigned sk = df_smem_u32(Ks + ld_t * LD + ld_c * 8);
+            constexpr unsigned V_OFF = KT * LD * 2, U_OFF = LD_KSTEP * LD * 2;
+            if (contiguous) {
+                const long long e0 = (long long)(ta.b0 + ta.r0 + ld_t) * slot_stride + kvh_off + ld_c * 8;
+                const long long step_e = (long long)LD_KSTEP * slot_stride;
 #pragma unroll
-                for (int u = 0; u < PER; ++u) sl[u] = key_slot(tt, ta, tid / CH + u * KSTEP);
-#pragma unroll
-                for (int u = 0; u < PER; ++u) {
-                    const int t = tid / CH + u * KSTEP;
-                    const bool valid = sl[u] >= 0;
-                    const long long off = valid ? row_off(sl[u]) + c * 8 : 0;
-                    df_cp_async16(df_smem_u32(Ks + t * LD + c * 8), kbase + off, valid);
-                    df_cp_async16(df_smem_u32(Vs + t * LD + c * 8), vbase + off, valid);
+                for (int u = 0; u < LD_PER; ++u) {
+                    df_cp_async16(sk + u * U_OFF, kbase + e0 + u * step_e, true);
+                    df_cp_async16(sk + V_OFF + u * U_OFF, vbase + e0 + u * step_e, true);
                 }
-            } else if (tid < KT * CH) {  // small tiles (DP = 16): one chunk per thread
-                const int t = tid / CH, c = tid % CH;
-                const int sl = key_slot(tt, ta, t);
+            } else {
+                int sl[LD_PER];
+#pragma unroll
+                for (int u = 0; u < LD_PER; ++u) sl[u] = key_slot(tt, ta, ld_t + u * LD_KSTEP);
+#pragma unroll
+                for (int u = 0; u < LD_PER; ++u) {
+                    const bool valid = sl[u] >= 0;
+                    const long long off = valid ? row_off(sl[u]) + ld_c * 8 : 0;
+                    df_cp_async16(sk + u * U_OFF, kbase + off, valid);
+                    df_cp_async16(sk + V_OFF + u * U_OFF, vbase + off, valid);
+                }
+            }
+        } else if (fast) {  // small tiles (DP = 16): one chunk per thread
+            if (tid < KT * LD_CH) {
+                const int sl = key_slot(tt, ta, ld_t);
                 const bool valid = sl >= 0;
-                const long long off = valid ? row_off(sl) + c * 8 : 0;
-                df_cp_async16(df_smem_u32(Ks + t * LD + c * 8), kbase + off, valid);
-                df_cp_async16(df_smem_u32(Vs + t * LD + c * 8), vbase + off, valid);
+                const long long off = valid ? row_off(sl) + ld_c * 8 : 0;
+                df_cp_async16(df_smem_u32(Ks + ld_t * LD + ld_c * 8), kbase + off, valid);
+                df_cp_async16(df_smem_u32(Vs + ld_t * LD + ld_c * 8), vbase + off, valid);
             }
         } else {
             for (int e = tid; e < KT * chunks; e += ATTN_THREADS) {
@@ -350,8 +385,8 @@ __device__ __forceinline__ void attn_split_body(
         if (warp == 0) {  // KT <= 32: warp 0 writes the key list and the full flag
             int kp = ATTN_NO_KEY;
             if (lane < KT) {
-                const int sl = key_slot(tt, ta, lane);
-                if (sl >= 0) kp = is_ctx ? tt * KT + lane - n_ctx : (tt - plan.t_ctx) * KT + lane;
+                const bool valid = contiguous || key_slot(tt, ta, lane) >= 0;
+                if (valid) kp = is_ctx ? tt * KT + lane - n_ctx : (tt - plan.t_ctx) * KT + lane;
                 kpos[st * KT + lane] = kp;
             }
             const bool all_valid = __all_sync(0xffffffffu, lane >= KT || kp != ATTN_NO_KEY);
@@ -461,8 +496,10 @@ __device__ __forceinline__ void attn_split_body(
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = attn_raise_base(m_run[h2], mx * sl2);
-            if (__any_sync(0xffffffffu, m_new != m_run[h2])) {
-                // The vote is the warp's: rows whose base did not change get 1 (or 0 on zeros).
+            if (__any_sync(0xffffffffu, m_new != m_run[h2] && m_run[h2] != ATTN_NEG_INF)) {
+                // The vote is the warp's: rows whose base did not change get 1, rows that saw no
+                // key yet 0 (their sums are exact zeros, so a warp whose rows all saw none skips
+                // the rescale: a split's first tile).
                 const float corr = attn_scale(m_run[h2], m_new);
                 ls[2 * h2] *= corr;
                 ls[2 * h2 + 1] *= corr;

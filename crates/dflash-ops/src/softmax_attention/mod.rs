@@ -55,7 +55,10 @@
 //! - Tiles: K/V tiles are staged through shared memory by cp.async in a 3-stage pipeline (2
 //!   tiles in flight while one is computed; 3 blocks per SM). A tile's context keys are
 //!   consecutive positions: their slots come from one page-table read (or one ring offset)
-//!   per tile, per key only where the tile crosses a page or the ring's end. Each warp owns an
+//!   per tile, read one staged tile ahead and advanced without a division; a tile inside one
+//!   page (or before the ring's end) is staged from one address and constant strides, and
+//!   keys are resolved one by one only where the tile crosses a page, the ring's end or the
+//!   frontier. Q rows are staged only for the m16 tiles with live rows. Each warp owns an
 //!   m16 tile (entry `_d{DP}`); when the call has at most 32 query rows per block (entry
 //!   `_d{DP}_ks2`, a compile-time choice), warp pairs split every tile's keys and combine
 //!   their states at the end. A tile whose keys are all valid and visible to every live column
@@ -64,7 +67,8 @@
 //!   tile's max is s * log2(e) / sqrt(D) rounded once; each row keeps an integer base, raised
 //!   to the ceiling of a tile's max only when that max passes it by more than 8, so weights
 //!   2^fma(s, log2(e) / sqrt(D), -base) stay <= 2^8 and every rescale is an exact power of
-//!   two). Context and block tiles are two instantiations of one tile step (FP16 or BF16
+//!   two; a warp whose rows have seen no visible key yet skips the rescale, whose factors
+//!   would multiply exact zeros). Context and block tiles are two instantiations of one tile step (FP16 or BF16
 //!   P V), never both under predicates. P is two
 //!   terms hi + lo of the type of the V it multiplies (FP16 against the context's F16 V, BF16
 //!   against the block's BF16 V: one FP16 term, 11 bits, loses more than the tolerance where
