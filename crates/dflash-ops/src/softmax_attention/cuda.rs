@@ -88,7 +88,7 @@ fn split_name(op: &str, dp: usize, pairs: bool) -> &'static str {
 /// items' loads in flight per SM) or `_merge_s64` (a block per item, its warps sharing the
 /// splits, up to [`attend::MAX_SPLITS`]).
 fn merge_entry(op: &str, splits: usize) -> (&'static str, u32) {
-    let full = op == "softmax_attention";
+    let full = op == OP;
     match splits {
         0..=8 if full => ("softmax_attention_merge_w8", MERGE_WARPS),
         0..=8 => ("sliding_window_attention_merge_w8", MERGE_WARPS),
@@ -283,9 +283,9 @@ pub(crate) fn launch(
         .chain([rows, cols, hq, d, ctx_ints[0], ctx_ints[1], sp, kt].map(RawArg::I32))
         .collect();
     // SAFETY: `merge_args` matches `{op}_merge_w8` / `_w16` / `_s64`
-    // (kernels/softmax_attention.cu and sliding_window_attention.cu) in order and type; lengths were checked by `run` (out
-    // = rows*cols*Hq*D, start_pos = live = lanes = rows, workspace >= workspace_len); the
-    // pointers' guards live to the end of this function. Before df_pdl_wait the merge reads
+    // (kernels/softmax_attention.cu and sliding_window_attention.cu) in order and type;
+    // lengths were checked by `run` (out = rows*cols*Hq*D, start_pos = live = lanes = rows,
+    // workspace >= workspace_len); the pointers' guards live to the end of this function. Before df_pdl_wait the merge reads
     // only row metadata, which the split never writes and whose writers finished before the
     // split (an ordinary launch) started; every block waits.
     unsafe { c.launch_dependent(&merge, merge_cfg, &mut merge_args, merge_name) }

@@ -55,10 +55,10 @@
 //! - Tiles: K/V tiles are staged through shared memory by cp.async in a 3-stage pipeline (2
 //!   tiles in flight while one is computed; 3 blocks per SM). A tile's context keys are
 //!   consecutive positions: their slots come from one page-table read (or one ring offset)
-//!   per tile, read one staged tile ahead and advanced without a division; a tile inside one
-//!   page (or before the ring's end) is staged from one address and constant strides, and
-//!   keys are resolved one by one only where the tile crosses a page, the ring's end or the
-//!   frontier. Q rows are staged only for the m16 tiles with live rows. Each warp owns an
+//!   per tile; the tile's (page, offset) advances by the tile width without a division and
+//!   its page-table entry is read one staged tile ahead. A tile inside one page (or before
+//!   the ring's end) is staged from one address and constant strides; keys are resolved one
+//!   by one only where the tile crosses a page, the ring's end or the frontier. Q rows are staged only for the m16 tiles with live rows. Each warp owns an
 //!   m16 tile (entry `_d{DP}`); when the call has at most 32 query rows per block (entry
 //!   `_d{DP}_ks2`, a compile-time choice), warp pairs split every tile's keys and combine
 //!   their states at the end. A tile whose keys are all valid and visible to every live column
