@@ -274,61 +274,6 @@ __device__ __forceinline__ void ph_run(const __nv_bfloat16* __restrict__ hidden,
 
 #else  // PH_WGMMA: the sm_90a driver
 
-__device__ __forceinline__ void ph_wgmma(float (&d)[1][4], u64 da, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void ph_wgmma(float (&d)[2][4], u64 da, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void ph_wgmma(float (&d)[4][4], u64 da, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void ph_wgmma(float (&d)[8][4], u64 da, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void ph_wgmma(float (&d)[16][4], u64 da, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzled layout: rows of
-// 64 BF16 (128 B), 8-row core groups 1024 B apart (the stride byte offset), the leading byte
-// offset unused for this layout; bits 62-63 = 1 selects the 128-byte swizzle.
-__device__ __forceinline__ u64 ph_desc(const void* p) {
-    const u64 a = df_smem_u32(p);
-    return ((a & 0x3FFFFull) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void ph_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void ph_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void ph_wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
 // A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a
 // __grid_constant__ kernel parameter; encoded on the host by the launcher.
 struct __align__(64) PhTmap {
@@ -454,21 +399,21 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
             ph_mbar_wait(bars + 8 * s, (unsigned)((it / S) & 1));
             const __nv_bfloat16* Ws = pipe + s * C::STAGE;
             const __nv_bfloat16* Xs = Ws + C::W_ELEMS;
-            ph_wg_fence();
+            df_wg_fence();
 #pragma unroll
             for (int k16 = 0; k16 < KC / 16; ++k16) {
-                const u64 db = ph_desc(Xs + k16 * 16);
+                const u64 db = df_wg_desc_k(Xs + k16 * 16);
                 const int accumulate = (kc > 0 || k16 > 0) ? 1 : 0;
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
-                    ph_wgmma(acc[mt], ph_desc(Ws + mt * 64 * KC + k16 * 16), db, accumulate);
+                    df_wgmma_bf16(acc[mt], df_wg_desc_k(Ws + mt * 64 * KC + k16 * 16), db, accumulate);
             }
-            ph_wg_commit();
-            ph_wg_wait<1>();
+            df_wg_commit();
+            df_wg_wait<1>();
             // The group of chunk it - 1 has completed: hand its stage back.
             if (kc > 0) ph_mbar_arrive(bars + 8 * (S + (it - 1) % S));
         }
-        ph_wg_wait<0>();
+        df_wg_wait<0>();
         ph_mbar_arrive(bars + 8 * (S + (it0 + kch - 1) % S));
         epi.tile(acc, row_begin + (long long)t * PH_TV, row_end);
     }

@@ -27,6 +27,15 @@
 // and block tiles run in two loops of one tile step instantiated for each (FP16 or BF16 P V),
 // so neither issues the other's MMAs under predicates.
 //
+// sm_90a variant (this source compiled with ATTN_WGMMA for sm_90a; AttnWg): the split of head
+// dim 128 with one warp per m16 tile takes its 64 query rows as one warpgroup. Q and the K / V
+// tiles are staged by the same cp.async code into the 128-byte swizzled layout (df_sw128_off,
+// no padding); per tile one chain of 8 wgmma m64n32k16 (Q and K from shared memory) gives S,
+// the softmax runs on the same fragments as above, and 4 wgmma m64n128k16 (P hi and lo from
+// registers, V an MN-major shared operand) add P V; that group stays in flight until the next
+// tile step's start, before the barrier that frees its stage. The softmax sums keep their
+// mma.sync (P times ones). Numbers, masks, the workspace and the merge are the portable ones.
+//
 // Workspace (f32 words; item = ((r * cols + i) * Hq + h) * splits + s):
 //   ws[2 * item] = m (the row's base: an integer in base-2 scaled units, at least the max
 //   score minus ATTN_LAZY; -inf when no key was visible),
@@ -94,6 +103,19 @@ struct AttnCfg {
     static constexpr int NK = KT / 8;                  // key n8 tiles of S
     static constexpr int ND = DP / 8;                  // d n8 tiles of O
     static constexpr int KC = DP / 16;                 // k16 chunks of Q K^T
+};
+
+// Whether the split of (DP, KS) is the sm_90a warpgroup-MMA form (the module compiled with
+// ATTN_WGMMA, for sm_90a): DP = 128 with one warp per m16 tile (a block of 64 query rows is
+// one warpgroup); the launcher uses that module only where head_dim == 128 (mirrored by
+// `attend::uses_wgmma`). Every other entry of that module is the portable code.
+template <int DP, int KS>
+struct AttnWg {
+#ifdef ATTN_WGMMA
+    static constexpr bool value = DP == 128 && KS == 1;
+#else
+    static constexpr bool value = false;
+#endif
 };
 
 // Context addressing of the full layer: position p of the row lives in page table[p / ps],
@@ -190,13 +212,20 @@ __device__ __forceinline__ void attn_split_body(
     typedef AttnCfg<DP> C;
     constexpr int KT = C::KT, LD = C::LD, STAGES = C::STAGES, NK = C::NK, ND = C::ND;
     constexpr int NKW = NK / KS;  // key n8 tiles of one warp per tile
+    constexpr bool WG = AttnWg<DP, KS>::value;
     static_assert(KS == 1 || (KS == 2 && KT == 32), "key-split pairs need 32-key tiles");
     static_assert(NKW % 2 == 0, "a warp takes whole k16 chunks of P V");
+    // Shared tiles: rows of LD elements (portable), or (WG) the 128-byte swizzled layout of
+    // df_sw128_off without padding, from a 1024-byte-aligned base.
+    constexpr int Q_EL = WG ? ATTN_ROWS * DP : ATTN_ROWS * LD;  // elements of the Q block
+    constexpr int T_EL = WG ? KT * DP : KT * LD;                // elements of one K or V tile
     extern __shared__ __align__(16) unsigned char attn_smem[];
-    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(attn_smem);
-    unsigned short* KVs = reinterpret_cast<unsigned short*>(Qs + ATTN_ROWS * LD);  // [STAGES][K,V][KT][LD]
-    int* kpos = reinterpret_cast<int*>(KVs + 2 * STAGES * KT * LD);              // [STAGES][KT]
-    int* tfull = kpos + STAGES * KT;                                              // [STAGES]
+    unsigned char* smem0 = attn_smem;
+    if (WG) smem0 += (1024u - (df_smem_u32(attn_smem) & 1023u)) & 1023u;
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem0);
+    unsigned short* KVs = reinterpret_cast<unsigned short*>(Qs + Q_EL);  // [STAGES][K,V][T_EL]
+    int* kpos = reinterpret_cast<int*>(KVs + 2 * STAGES * T_EL);      // [STAGES][KT]
+    int* tfull = kpos + STAGES * KT;                                   // [STAGES]
 
     // The merge may start now (a dependent launch; it waits for this kernel's completion
     // before it reads a partial).
@@ -213,7 +242,8 @@ __device__ __forceinline__ void attn_split_body(
     if (s >= plan.active || live_rows <= 0) return;
     const int t0 = s * plan.tps;
     const int t1 = min(plan.tiles, t0 + plan.tps);
-    const bool fast = (head_dim == DP);  // 16-byte rows, compile-time chunking
+    // 16-byte rows, compile-time chunking (WG: head_dim == DP, guaranteed by the launcher).
+    const bool fast = WG || head_dim == DP;
     const bool vec = (head_dim & 7) == 0;
     const int slot_stride = kv_heads * head_dim;  // elements between context slots
     const int kvh_off = kvh * head_dim;
@@ -221,7 +251,7 @@ __device__ __forceinline__ void attn_split_body(
 
     // Zero the padding columns [head_dim, DP) of Q and every K/V stage once: loads never
     // write them, and Q K^T / P V then see exact zeros there.
-    if (!fast) {
+    if (!WG && !fast) {
         for (int e = tid; e < (ATTN_ROWS + 2 * STAGES * KT) * (DP - head_dim); e += ATTN_THREADS) {
             const int row = e / (DP - head_dim);
             const int c = head_dim + e % (DP - head_dim);
@@ -250,8 +280,8 @@ __device__ __forceinline__ void attn_split_body(
     };
 
     // Q rows of this block (row m = i * G + hh), zero when past the live columns; only the
-    // rows of the m16 tiles that live warps read (q_rows).
-    const int q_rows = (live_rows + 15) / 16 * 16;
+    // rows of the m16 tiles that live warps read (q_rows; WG: all 64, every warp computes).
+    const int q_rows = WG ? ATTN_ROWS : (live_rows + 15) / 16 * 16;
     if (fast) {
         constexpr int CH = DP / 8, PER = ATTN_ROWS * CH / ATTN_THREADS, MSTEP = ATTN_THREADS / CH;
         const int c = tid % CH;
@@ -261,8 +291,9 @@ __device__ __forceinline__ void attn_split_body(
             if (m >= q_rows) break;  // m grows with u
             bool valid;
             const unsigned short* src = q_src(m, valid);
-            df_cp_async16(df_smem_u32(Qs + m * LD + c * 8), valid ? (const void*)(src + c * 8) : (const void*)q,
-                          valid);
+            const unsigned dst = WG ? df_smem_u32(Qs) + df_sw128_off(m, c, ATTN_ROWS)
+                                    : df_smem_u32(Qs + m * LD + c * 8);
+            df_cp_async16(dst, valid ? (const void*)(src + c * 8) : (const void*)q, valid);
         }
     } else {
         for (int e = tid; e < q_rows * chunks; e += ATTN_THREADS) {
@@ -328,8 +359,8 @@ __device__ __forceinline__ void attn_split_body(
     // tile: every context tile of the benchmark shapes but the last and a ring's wrap) takes
     // one address and constant strides; the others resolve each key.
     auto load_tile = [&](int tt, int st) {
-        unsigned short* Ks = KVs + (2 * st) * KT * LD;
-        unsigned short* Vs = KVs + (2 * st + 1) * KT * LD;
+        unsigned short* Ks = KVs + (2 * st) * T_EL;
+        unsigned short* Vs = KVs + (2 * st + 1) * T_EL;
         const bool is_ctx = tt < plan.t_ctx;
         const TileAddr ta = next_tile_addr(tt);
         const bool contiguous =
@@ -342,8 +373,13 @@ __device__ __forceinline__ void attn_split_body(
             return (is_ctx ? 0LL : blk0) + (long long)sl * slot_stride + kvh_off;
         };
         if (fast && KT * LD_CH >= ATTN_THREADS) {
-            const unsigned sk = df_smem_u32(Ks + ld_t * LD + ld_c * 8);
-            constexpr unsigned V_OFF = KT * LD * 2, U_OFF = LD_KSTEP * LD * 2;
+            // WG: rows ld_t + u * LD_KSTEP share ld_t % 8 (LD_KSTEP is a multiple of 8), so
+            // one swizzled chunk offset serves every u.
+            static_assert(!WG || LD_KSTEP % 8 == 0, "swizzle phase constant over u");
+            const unsigned sk = WG ? df_smem_u32(Ks) + df_sw128_off(ld_t, ld_c, KT)
+                                   : df_smem_u32(Ks + ld_t * LD + ld_c * 8);
+            // Row stride: LD elements (portable), 128 bytes inside a swizzled atom (WG).
+            constexpr unsigned V_OFF = T_EL * 2, U_OFF = LD_KSTEP * (WG ? 64 : LD) * 2;
             if (contiguous) {
                 const long long e0 = (long long)(ta.b0 + ta.r0 + ld_t) * slot_stride + kvh_off + ld_c * 8;
                 const long long step_e = (long long)LD_KSTEP * slot_stride;
@@ -433,22 +469,40 @@ __device__ __forceinline__ void attn_split_body(
     // tiles, then block tiles) and inlined, so each loop holds only its own P V chain (FP16
     // against F16 V, BF16 against BF16 V); one loop over both tile kinds issued both chains
     // under predicates.
+    // WG: the previous tile's P V group is retired before the barrier that frees its stage,
+    // and the cp.async data are made visible to the async proxy (wgmma operands) before it.
+    unsigned wg_a[NKW / 2][2][4];  // WG: P (hi, lo) A fragments, live until their group retires
     auto step = [&](const int tt, const bool CTX) {
         const int st = (tt - t0) % STAGES;
+        if (WG) df_wg_wait<0>();
         df_cp_wait<STAGES - 2>();
+        if (WG) df_fence_proxy_async();
         __syncthreads();  // tile tt (and Q) visible to every thread; tile tt - 1's stage is free
         {
             const int nt = tt + STAGES - 1;
             if (nt < t1) load_tile(nt, (nt - t0) % STAGES);
             df_cp_commit();
         }
-        if (!warp_live) return;
-        const unsigned short* Ks = KVs + (2 * st) * KT * LD;
-        const unsigned short* Vs = KVs + (2 * st + 1) * KT * LD;
+        if (!WG && !warp_live) return;  // WG: every warp of the warpgroup issues the wgmma
+        const unsigned short* Ks = KVs + (2 * st) * T_EL;
+        const unsigned short* Vs = KVs + (2 * st + 1) * T_EL;
         const int* kp = kpos + st * KT + kbeg;
         const bool full = CTX && tfull[st] != 0;
         // S = Q K^T over this warp's keys of the tile.
         float sc[NKW][4];
+        if constexpr (WG) {
+            // One warpgroup: S (64 x KT) = Q (64 x 128) K^T in 8 k16 steps, both operands
+            // K-major swizzled tiles (k16 step kc: atom kc / 4, 32 bytes per step inside it).
+            df_wg_fence();
+#pragma unroll
+            for (int kc = 0; kc < C::KC; ++kc) {
+                const unsigned qa = df_smem_u32(Qs) + (kc >> 2) * (ATTN_ROWS * 128) + (kc & 3) * 32;
+                const unsigned ka = df_smem_u32(Ks) + (kc >> 2) * (KT * 128) + (kc & 3) * 32;
+                df_wgmma_bf16(sc, df_wg_desc(qa, 16, 1024), df_wg_desc(ka, 16, 1024), kc > 0);
+            }
+            df_wg_commit();
+            df_wg_wait<0>();
+        } else {
 #pragma unroll
         for (int j = 0; j < NKW; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
@@ -466,6 +520,7 @@ __device__ __forceinline__ void attn_split_body(
                 df_mma_bf16(sc[2 * np], a0, a1, a2, a3, b0, b1);
                 df_mma_bf16(sc[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
+        }
         }
         // Mask (edge tiles only), online softmax (per thread: rows g, g + 8; a quad shares a row).
 #pragma unroll
@@ -520,7 +575,8 @@ __device__ __forceinline__ void attn_split_body(
         // O += P V over this warp's keys.
 #pragma unroll
         for (int kc2 = 0; kc2 < NKW / 2; ++kc2) {
-            unsigned ah[4], al[4];
+            unsigned(&ah)[4] = wg_a[kc2][0];
+            unsigned(&al)[4] = wg_a[kc2][1];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 // u: 0 = (row g, keys 2q..), 1 = (row g+8, ..), 2 = (row g, 8+2q..), 3 = (g+8, 8+..)
@@ -548,6 +604,7 @@ __device__ __forceinline__ void attn_split_body(
                 df_mma_bf16(ls, ah[0], ah[1], ah[2], ah[3], ATTN_ONES_BF16, ATTN_ONES_BF16);
                 df_mma_bf16(ls, al[0], al[1], al[2], al[3], ATTN_ONES_BF16, ATTN_ONES_BF16);
             }
+            if (WG) continue;  // P V below, one wgmma chain over the whole tile
 #pragma unroll
             for (int dp = 0; dp < ND / 2; ++dp) {
                 unsigned b0, b1, b2, b3;
@@ -567,10 +624,27 @@ __device__ __forceinline__ void attn_split_body(
                 }
             }
         }
+        if constexpr (WG) {
+            // O (64 x 128) += P V: V an MN-major swizzled tile (k16 step kc2: 16 keys = two
+            // 1024-byte row groups further; the two 64-column atoms KT * 128 bytes apart).
+            // Retired at the next step's start (or after the loop).
+            df_wg_fence();
+#pragma unroll
+            for (int kc2 = 0; kc2 < NKW / 2; ++kc2) {
+                const u64 vd = df_wg_desc(df_smem_u32(Vs) + kc2 * 16 * 128, KT * 128, 1024);
+#pragma unroll
+                for (int part = 0; part < 2; ++part) {
+                    if (CTX) df_wgmma_rs_f16_nt(o, wg_a[kc2][part], vd, 1);
+                    else df_wgmma_rs_bf16_nt(o, wg_a[kc2][part], vd, 1);
+                }
+            }
+            df_wg_commit();
+        }
     };
     int tt = t0;
     for (const int tc = min(t1, plan.t_ctx); tt < tc; ++tt) step(tt, true);
     for (; tt < t1; ++tt) step(tt, false);
+    if (WG) df_wg_wait<0>();
     df_cp_wait<0>();
 
     // Key-split pairs: the second warp of a pair hands its state to the first through shared

@@ -6,7 +6,8 @@
 //! [--portable]`:
 //! prints a table and writes `DIR/performance.json` (an array of `{"op", "draft", "B", "K",
 //! "context", "median_us", "floor_us"}`) and `DIR/performance.md`. `--portable` restricts the
-//! backend to the portable kernel variants (no sm_90a wgmma heads), for comparison.
+//! backend to the portable kernel variants (no sm_90a variants of the heads and attention), for
+//! comparison.
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
 //! `dflash-bench --profile dflash|dflash2`: one eager draft block (B=1, K=7, 2048 context)
 //! after a warm-up, for Nsight Compute (`ncu --clock-control none ...`).
@@ -683,7 +684,7 @@ fn main() -> Result<()> {
                 .ok_or_else(|| anyhow!("{flag} needs a value")),
         }
     };
-    // `--portable`: only the portable kernel variants (no sm_90a wgmma heads).
+    // `--portable`: only the portable kernel variants (no sm_90a variants).
     let options = dflash_ops::cuda::CudaOptions {
         kernels: if args.iter().any(|a| a == "--portable") {
             dflash_ops::cuda::KernelVariants::Portable

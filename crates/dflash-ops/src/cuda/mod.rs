@@ -9,7 +9,8 @@
 //!
 //! Kernel variants. Every kernel has a portable variant that NVRTC compiles for the device's
 //! own architecture (sm_80 and later). A few ops also have an architecture-specific variant
-//! ([`ARCH_SPECIFIC_OPS`]: the proposal heads' wgmma GEMM, compiled for `sm_90a`), used on a
+//! ([`ARCH_SPECIFIC_OPS`]: the proposal heads' wgmma GEMM and the attention ops' wgmma split,
+//! compiled for `sm_90a`), used on a
 //! device of compute capability 9.0 unless [`CudaOptions::kernels`] asks for
 //! [`KernelVariants::Portable`]; both variants keep the same contract and pass the same
 //! conformance cases. On compute capability 9.0 and later the ops of
@@ -62,7 +63,12 @@ pub struct CudaOptions {
 }
 
 /// Ops with an architecture-specific (`sm_90a`) kernel variant besides the portable one.
-pub const ARCH_SPECIFIC_OPS: [&str; 2] = [crate::proposal_argmax::OP, crate::unary_topk::OP];
+pub const ARCH_SPECIFIC_OPS: [&str; 4] = [
+    crate::proposal_argmax::OP,
+    crate::unary_topk::OP,
+    crate::softmax_attention::OP,
+    crate::sliding_window_attention::OP,
+];
 
 /// Ops that launch a kernel as a programmatic dependent of the one before it on compute
 /// capability 9.0 and later (`CudaBackend::launch_dependent`: the attention merges), unless
@@ -271,6 +277,16 @@ pub fn arch_specific_modules() -> Vec<(&'static str, String, &'static str)> {
         (
             crate::unary_topk::cuda::SM90A_MODULE,
             crate::unary_topk::cuda::sm90a_source().into(),
+            SM90A,
+        ),
+        (
+            crate::softmax_attention::cuda::SM90A_MODULE,
+            crate::softmax_attention::cuda::sm90a_source().into(),
+            SM90A,
+        ),
+        (
+            crate::sliding_window_attention::cuda::SM90A_MODULE,
+            crate::sliding_window_attention::cuda::sm90a_source().into(),
             SM90A,
         ),
     ]

@@ -9,7 +9,9 @@ use half::{bf16, f16};
 
 use super::{LocalAttentionParams, OP};
 use crate::cuda::CudaBackend;
-use crate::softmax_attention::cuda::{AttnCall, AttnContext, SOURCE as SHARED, launch};
+use crate::softmax_attention::cuda::{
+    AttnCall, AttnContext, AttnModules, SOURCE as SHARED, launch, wgmma_source,
+};
 use crate::{Buffer, Result};
 
 const OWN: &str = include_str!(concat!(
@@ -21,6 +23,15 @@ const OWN: &str = include_str!(concat!(
 pub(crate) fn source() -> &'static str {
     static SRC: OnceLock<String> = OnceLock::new();
     SRC.get_or_init(|| format!("{SHARED}\n{OWN}"))
+}
+
+/// Module name of the sm_90a variant.
+pub(crate) const SM90A_MODULE: &str = "sliding_window_attention.sm_90a";
+
+/// Source of the sm_90a variant: [`source`] compiled with `ATTN_WGMMA`.
+pub(crate) fn sm90a_source() -> &'static str {
+    static SRC: OnceLock<String> = OnceLock::new();
+    SRC.get_or_init(|| wgmma_source(source()))
 }
 
 pub(super) fn run(
@@ -39,8 +50,12 @@ pub(super) fn run(
 ) -> Result<()> {
     launch(
         c,
-        OP,
-        source(),
+        &AttnModules {
+            module: OP,
+            source: source(),
+            sm90a_module: SM90A_MODULE,
+            sm90a_source: sm90a_source(),
+        },
         &p.geometry(),
         p.key_capacity(),
         &AttnContext::Ring {

@@ -59,6 +59,24 @@ pub(crate) fn smem_bytes(dp: usize) -> usize {
     (BLOCK_QUERY_ROWS * ld + 2 * st * kt * ld) * 2 + st * kt * 4 + st * 4
 }
 
+/// Whether the launcher uses the sm_90a warpgroup-MMA split (`ATTN_WG` of the module compiled
+/// with `ATTN_WGMMA`, entry `_d128`): on a backend with the sm_90a variants (`sm90a`), for head
+/// dim exactly 128 and blocks of one warp per m16 tile (no key-split pairs). Everything else
+/// runs the portable kernels.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn uses_wgmma(g: &Geometry, sm90a: bool) -> bool {
+    sm90a && g.head_dim == 128 && !key_split_pairs(g, padded_head_dim(g.head_dim))
+}
+
+/// Dynamic shared memory of the sm_90a warpgroup-MMA split (head dim 128): 1024 bytes of
+/// slack for the 1024-byte-aligned swizzled tiles, the Q block and `stages` K and V tiles
+/// without padding, the `kpos` arrays and the full-tile flags.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn smem_bytes_wgmma() -> usize {
+    let (dp, kt, st) = (128, tile_keys(128), stages(128));
+    1024 + (BLOCK_QUERY_ROWS * dp + 2 * st * kt * dp) * 2 + st * kt * 4 + st * 4
+}
+
 /// Whether the launcher uses the key-split-pair entry point (`_d{DP}_ks2`, KS = 2): at most
 /// 32 query rows per block (two m16 tiles, so two warps per tile share its keys) and 32-key
 /// tiles (`dp <= 128`).
@@ -770,6 +788,26 @@ mod tests {
         );
         // Three blocks fit in an H200 SM (228 KiB, 1 KiB reserved per block).
         assert!(3 * (smem_bytes(128) + 1024) <= 228 * 1024);
+    }
+
+    #[test]
+    fn wgmma_split_only_for_head_dim_128_without_pairs_on_sm90a() {
+        // K = 15 (64 query rows per KV head): the wgmma split on sm_90a only.
+        assert!(uses_wgmma(&g(1, 16, 32, 8), true));
+        assert!(!uses_wgmma(&g(1, 16, 32, 8), false));
+        // K = 7 (32 rows: key-split pairs) stays portable.
+        assert!(!uses_wgmma(&g(1, 8, 32, 8), true));
+        // Head dims padded to 128 (but not 128) stay portable.
+        let mut odd = g(1, 16, 32, 8);
+        odd.head_dim = 100;
+        assert!(!uses_wgmma(&odd, true));
+        // 1 KiB alignment slack + Q 64 x 128 + 3 stages of 32 K and 32 V rows of 128
+        // elements + 3 kpos arrays and 3 flags; three blocks still fit an H200 SM.
+        assert_eq!(
+            smem_bytes_wgmma(),
+            1024 + (64 * 128 + 2 * 3 * 32 * 128) * 2 + 3 * 32 * 4 + 3 * 4
+        );
+        assert!(3 * (smem_bytes_wgmma() + 1024) <= 228 * 1024);
     }
 
     #[test]

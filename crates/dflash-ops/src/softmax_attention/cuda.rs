@@ -2,12 +2,14 @@
 //! merge bodies `sliding_window_attention` compiles with its own entry points): the ops differ
 //! only in the [`AttnContext`] they pass.
 
+use std::sync::OnceLock;
+
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 
 use super::attend::{self, Geometry};
 use super::{FullAttentionParams, OP};
-use crate::cuda::{CudaBackend, RawArg, cuda_err};
+use crate::cuda::{CudaBackend, RawArg, SM90A, cuda_err};
 use crate::{Buffer, OpsError, Result};
 
 /// Source of the full layer's kernels and of the shared device bodies.
@@ -15,6 +17,34 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/softmax_attention.cu"
 ));
+
+/// Module name of the full layer's sm_90a variant.
+pub(crate) const SM90A_MODULE: &str = "softmax_attention.sm_90a";
+
+/// Source of the full layer's sm_90a variant: [`SOURCE`] compiled with `ATTN_WGMMA` (its
+/// `_d128` split is the warpgroup-MMA form, see [`attend::uses_wgmma`]).
+pub(crate) fn sm90a_source() -> &'static str {
+    static SRC: OnceLock<String> = OnceLock::new();
+    SRC.get_or_init(|| wgmma_source(SOURCE))
+}
+
+/// A module source compiled as the sm_90a variant of an attention op.
+pub(crate) fn wgmma_source(source: &str) -> String {
+    format!("#define ATTN_WGMMA 1\n{source}")
+}
+
+/// The modules of one attention op: the portable one (compiled for the device's own
+/// architecture) and the sm_90a variant (used for the split where [`attend::uses_wgmma`]).
+pub(crate) struct AttnModules {
+    /// Portable module name (the op id) and source.
+    pub(crate) module: &'static str,
+    /// See [`Self::module`].
+    pub(crate) source: &'static str,
+    /// sm_90a module name and source.
+    pub(crate) sm90a_module: &'static str,
+    /// See [`Self::sm90a_module`].
+    pub(crate) sm90a_source: &'static str,
+}
 
 /// Threads of a split block (four warps, one m16 query tile each: `ATTN_THREADS`).
 const SPLIT_THREADS: u32 = 128;
@@ -110,7 +140,9 @@ pub(crate) struct AttnCall<'a> {
 
 /// Launch the split kernel `{op}_split_d{DP}` (or `_d{DP}_ks2`, see
 /// [`attend::key_split_pairs`]) and the merge `{op}_merge_w8`, `_w16` or `_s64` (see
-/// [`merge_entry`]) of module `op` (source `source`).
+/// [`merge_entry`]) of the op's `modules`: the split from the sm_90a module where
+/// [`attend::uses_wgmma`] (its `_d128` entry is the wgmma form, with
+/// [`attend::smem_bytes_wgmma`]), else from the portable one; the merge from the portable one.
 /// Shapes were validated by the op's `run`.
 ///
 /// Grid of the split: (Hkv * row_blocks, rows, splits), a split-major block order (every
@@ -121,8 +153,7 @@ pub(crate) struct AttnCall<'a> {
 /// needs (the others exit at once).
 pub(crate) fn launch(
     c: &CudaBackend,
-    op: &'static str,
-    source: &str,
+    modules: &AttnModules,
     g: &Geometry,
     key_capacity: usize,
     ctx: &AttnContext<'_>,
@@ -130,10 +161,23 @@ pub(crate) fn launch(
     out: &mut Buffer<bf16>,
     workspace: &mut Buffer<f32>,
 ) -> Result<()> {
+    let (op, source) = (modules.module, modules.source);
     let dp = attend::padded_head_dim(g.head_dim);
     let name = split_name(op, dp, attend::key_split_pairs(g, dp));
-    let smem = attend::smem_bytes(dp);
-    let kernel = c.kernel(op, source, name, SPLIT_THREADS, smem)?;
+    // The split's module: the sm_90a variant (its `_d128` split is the wgmma form) or the
+    // portable one; the merge always comes from the portable module.
+    let wgmma = attend::uses_wgmma(g, c.uses_sm90a());
+    let smem = if wgmma {
+        attend::smem_bytes_wgmma()
+    } else {
+        attend::smem_bytes(dp)
+    };
+    let kernel = if wgmma {
+        let (m, src) = (modules.sm90a_module, modules.sm90a_source);
+        c.kernel_for(m, Some(SM90A), src, name, SPLIT_THREADS, smem)?
+    } else {
+        c.kernel(op, source, name, SPLIT_THREADS, smem)?
+    };
     let row_blocks = (g.group() * g.cols).div_ceil(attend::BLOCK_QUERY_ROWS);
     let limit = 65_535usize;
     let grid_y = g.kv_heads.saturating_mul(row_blocks);
@@ -307,8 +351,12 @@ pub(super) fn run(
 ) -> Result<()> {
     launch(
         c,
-        OP,
-        SOURCE,
+        &AttnModules {
+            module: OP,
+            source: SOURCE,
+            sm90a_module: SM90A_MODULE,
+            sm90a_source: sm90a_source(),
+        },
         &p.geometry(),
         p.key_capacity(),
         &AttnContext::Paged {

@@ -81,6 +81,15 @@
 //!   count: `_merge_w8` / `_merge_w16` (at most 8 / 16: one warp per (head, column, row) item,
 //!   four items per block, so a call with few splits keeps many items' loads in flight per
 //!   SM) or `_merge_s64` (up to 64: one block per item, its four warps sharing the splits).
+//! - sm_90a (compute capability 9.0, `CudaOptions::kernels` = `Auto`; see
+//!   `attend::uses_wgmma`): the split of head dim 128 with one warp per m16 tile (more than 32 query
+//!   rows per block, e.g. K = 15) is a warpgroup-MMA form. Its 64 query rows are one
+//!   warpgroup; the tiles are staged by the same cp.async code into the 128-byte swizzled
+//!   layout without padding; S = Q K^T is one chain of 8 wgmma m64n32k16 per tile (both
+//!   operands from shared memory), P V four wgmma m64n128k16 (P hi and lo as register
+//!   operands, V an MN-major shared operand), in flight until the next tile's barrier. Same
+//!   contract, masks, P representation, workspace and merge; every other shape runs the
+//!   portable kernels, and `KernelVariants::Portable` selects them everywhere.
 //! - Launch: on compute capability 9.0 and later the merge is a programmatic dependent launch
 //!   of the split (`CudaBackend::launch_dependent`): its blocks can become resident and read
 //!   their row's metadata while the split still runs, then wait for the split's completion
