@@ -471,7 +471,9 @@ __device__ __forceinline__ void attn_split_body(
     // under predicates.
     // WG: the previous tile's P V group is retired before the barrier that frees its stage,
     // and the cp.async data are made visible to the async proxy (wgmma operands) before it.
-    unsigned wg_a[NKW / 2][2][4];  // WG: P (hi, lo) A fragments, live until their group retires
+    // P (hi, lo) A fragments of a tile's k16 chunks; WG: the P V wgmma reads them, so they
+    // stay untouched until its group retires.
+    unsigned wg_a[NKW / 2][2][4];
     auto step = [&](const int tt, const bool CTX) {
         const int st = (tt - t0) % STAGES;
         if (WG) df_wg_wait<0>();
@@ -492,7 +494,8 @@ __device__ __forceinline__ void attn_split_body(
         float sc[NKW][4];
         if constexpr (WG) {
             // One warpgroup: S (64 x KT) = Q (64 x 128) K^T in 8 k16 steps, both operands
-            // K-major swizzled tiles (k16 step kc: atom kc / 4, 32 bytes per step inside it).
+            // K-major swizzled tiles (k16 step kc: atom kc / 4, 32 bytes per step inside it,
+            // = df_sw128_off(0, 2 kc, rows)).
             df_wg_fence();
 #pragma unroll
             for (int kc = 0; kc < C::KC; ++kc) {
@@ -625,9 +628,9 @@ __device__ __forceinline__ void attn_split_body(
             }
         }
         if constexpr (WG) {
-            // O (64 x 128) += P V: V an MN-major swizzled tile (k16 step kc2: 16 keys = two
-            // 1024-byte row groups further; the two 64-column atoms KT * 128 bytes apart).
-            // Retired at the next step's start (or after the loop).
+            // O (64 x 128) += P V: V an MN-major swizzled tile; k16 step kc2 starts at key
+            // row 16 kc2, and its two 64-column atoms are KT * 128 bytes apart (the leading
+            // byte offset). Retired at the next step's start (or after the loop).
             df_wg_fence();
 #pragma unroll
             for (int kc2 = 0; kc2 < NKW / 2; ++kc2) {

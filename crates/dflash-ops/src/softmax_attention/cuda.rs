@@ -329,9 +329,9 @@ pub(crate) fn launch(
     // SAFETY: `merge_args` matches `{op}_merge_w8` / `_w16` / `_s64`
     // (kernels/softmax_attention.cu and sliding_window_attention.cu) in order and type;
     // lengths were checked by `run` (out = rows*cols*Hq*D, start_pos = live = lanes = rows,
-    // workspace >= workspace_len); the pointers' guards live to the end of this function. Before df_pdl_wait the merge reads
-    // only row metadata, which the split never writes and whose writers finished before the
-    // split (an ordinary launch) started; every block waits.
+    // workspace >= workspace_len); the pointers' guards live to the end of this function.
+    // Before df_pdl_wait the merge reads only row metadata, which the split never writes and
+    // whose writers finished before the split (an ordinary launch) started; every block waits.
     unsafe { c.launch_dependent(&merge, merge_cfg, &mut merge_args, merge_name) }
 }
 
