@@ -358,6 +358,36 @@ pub(crate) fn cases() -> Vec<Case> {
                 seed: 35,
             }),
         ),
+        // Head dim 128 with two query row blocks per KV head (group 8 x 16 columns), the
+        // first request's second row block all dead (3 live columns, so the merge writes its
+        // zeros): a window of 2048 (33 splits: the block-per-item merge) and one of 256 (a
+        // few splits: a warp per item).
+        Case::new(
+            OP,
+            "d128_hq16_hkv2_window2048_rows2_k15_dead_row_block",
+            case(CaseSpec {
+                q_heads: 16,
+                kv_heads: 2,
+                head_dim: 128,
+                cols: 16,
+                window: 2048,
+                rows: vec![(3000, 3), (50, 16)],
+                seed: 42,
+            }),
+        ),
+        Case::new(
+            OP,
+            "d128_hq16_hkv2_window256_rows2_k15_dead_row_block",
+            case(CaseSpec {
+                q_heads: 16,
+                kv_heads: 2,
+                head_dim: 128,
+                cols: 16,
+                window: 256,
+                rows: vec![(1000, 3), (50, 16)],
+                seed: 43,
+            }),
+        ),
         Case::new(
             OP,
             "official_heads_s128_rows2_k15",

@@ -59,13 +59,15 @@ pub(crate) fn smem_bytes(dp: usize) -> usize {
     (BLOCK_QUERY_ROWS * ld + 2 * st * kt * ld) * 2 + st * kt * 4 + st * 4
 }
 
-/// Whether the launcher uses the sm_90a warpgroup-MMA split (`ATTN_WG` of the module compiled
-/// with `ATTN_WGMMA`, entry `_d128`): on a backend with the sm_90a variants (`sm90a`), for head
-/// dim exactly 128 and blocks of one warp per m16 tile (no key-split pairs). Everything else
-/// runs the portable kernels.
+/// Whether the launcher uses the sm_90a warpgroup-MMA split (`AttnWg` of the module compiled
+/// with `ATTN_WGMMA`, entry `_d128`, one warpgroup per block of 64 query rows): on a backend
+/// with the sm_90a variants (`sm90a`), for head dim exactly 128 and more than 16 query rows
+/// per KV head (`G * cols`: K = 7 and K = 15 of the official drafts; a block of 17 to 32 rows,
+/// which the portable kernels give to key-split pairs, leaves the rest of the 64 rows dead,
+/// zero in Q and masked). Everything else runs the portable kernels.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn uses_wgmma(g: &Geometry, sm90a: bool) -> bool {
-    sm90a && g.head_dim == 128 && !key_split_pairs(g, padded_head_dim(g.head_dim))
+    sm90a && g.head_dim == 128 && g.group().saturating_mul(g.cols) > 16
 }
 
 /// Dynamic shared memory of the sm_90a warpgroup-MMA split (head dim 128): 1024 bytes of
@@ -791,12 +793,16 @@ mod tests {
     }
 
     #[test]
-    fn wgmma_split_only_for_head_dim_128_without_pairs_on_sm90a() {
+    fn wgmma_split_only_for_head_dim_128_and_two_m_tiles_on_sm90a() {
         // K = 15 (64 query rows per KV head): the wgmma split on sm_90a only.
         assert!(uses_wgmma(&g(1, 16, 32, 8), true));
         assert!(!uses_wgmma(&g(1, 16, 32, 8), false));
-        // K = 7 (32 rows: key-split pairs) stays portable.
-        assert!(!uses_wgmma(&g(1, 8, 32, 8), true));
+        // K = 7 (32 rows, key-split pairs in the portable kernels) too; K = 3 (16 rows, one
+        // m16 tile) stays portable.
+        assert!(uses_wgmma(&g(1, 8, 32, 8), true));
+        assert!(uses_wgmma(&g(8, 5, 32, 8), true));
+        assert!(!uses_wgmma(&g(1, 4, 32, 8), true));
+        assert!(!uses_wgmma(&g(8, 2, 32, 8), true));
         // Head dims padded to 128 (but not 128) stay portable.
         let mut odd = g(1, 16, 32, 8);
         odd.head_dim = 100;

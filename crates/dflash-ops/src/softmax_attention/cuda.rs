@@ -163,10 +163,11 @@ pub(crate) fn launch(
 ) -> Result<()> {
     let (op, source) = (modules.module, modules.source);
     let dp = attend::padded_head_dim(g.head_dim);
-    let name = split_name(op, dp, attend::key_split_pairs(g, dp));
-    // The split's module: the sm_90a variant (its `_d128` split is the wgmma form) or the
-    // portable one; the merge always comes from the portable module.
+    // The split's module: the sm_90a variant (its `_d128` split is the wgmma form, also where
+    // the portable kernels would use key-split pairs) or the portable one; the merge always
+    // comes from the portable module.
     let wgmma = attend::uses_wgmma(g, c.uses_sm90a());
+    let name = split_name(op, dp, !wgmma && attend::key_split_pairs(g, dp));
     let smem = if wgmma {
         attend::smem_bytes_wgmma()
     } else {

@@ -484,6 +484,38 @@ pub(crate) fn cases() -> Vec<Case> {
                 seed: 19,
             }),
         ),
+        // Head dim 128 with two query row blocks per KV head (group 8 x 16 columns), the
+        // first request's second row block all dead (3 live columns, so the merge writes its
+        // zeros): a frontier of 1000 (17 splits: the block-per-item merge) and one of 100 (a
+        // few splits: a warp per item).
+        Case::new(
+            OP,
+            "d128_hq16_hkv2_p16_rows2_k15_dead_row_block_f1000",
+            case(CaseSpec {
+                q_heads: 16,
+                kv_heads: 2,
+                head_dim: 128,
+                cols: 16,
+                page_size: 16,
+                rows: vec![(1000, 3), (50, 16)],
+                spare: 3,
+                seed: 40,
+            }),
+        ),
+        Case::new(
+            OP,
+            "d128_hq16_hkv2_p16_rows2_k15_dead_row_block_f100",
+            case(CaseSpec {
+                q_heads: 16,
+                kv_heads: 2,
+                head_dim: 128,
+                cols: 16,
+                page_size: 16,
+                rows: vec![(100, 3), (20, 16)],
+                spare: 3,
+                seed: 41,
+            }),
+        ),
         // Head dim 256 (16-key tiles, the d256 split) with a frontier of 2000: about 33
         // launched splits, so the block-per-item merge over two 128-element chunks.
         Case::new(
