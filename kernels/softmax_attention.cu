@@ -28,7 +28,9 @@
 // so neither issues the other's MMAs under predicates.
 //
 // sm_90a variant (this source compiled with ATTN_WGMMA for sm_90a; AttnWg): the split of head
-// dim 128 with one warp per m16 tile takes its 64 query rows as one warpgroup. Q and the K / V
+// dim 128 with one warp per m16 tile takes its 64 query rows as one warpgroup (the launcher
+// also gives it the blocks of 17 to 32 rows that the portable kernels split in key pairs;
+// the rows past the live ones are zero in Q and masked, as everywhere). Q and the K / V
 // tiles are staged by the same cp.async code into the 128-byte swizzled layout (df_sw128_off,
 // no padding); per tile one chain of 8 wgmma m64n32k16 (Q and K from shared memory) gives S,
 // the softmax runs on the same fragments as above, and 4 wgmma m64n128k16 (P hi and lo from
@@ -107,8 +109,9 @@ struct AttnCfg {
 
 // Whether the split of (DP, KS) is the sm_90a warpgroup-MMA form (the module compiled with
 // ATTN_WGMMA, for sm_90a): DP = 128 with one warp per m16 tile (a block of 64 query rows is
-// one warpgroup); the launcher uses that module only where head_dim == 128 (mirrored by
-// `attend::uses_wgmma`). Every other entry of that module is the portable code.
+// one warpgroup); the launcher uses that module only where head_dim == 128 and a KV head has
+// more than 16 query rows (mirrored by `attend::uses_wgmma`). Every other entry of that module
+// is the portable code.
 template <int DP, int KS>
 struct AttnWg {
 #ifdef ATTN_WGMMA

@@ -82,9 +82,10 @@
 //!   four items per block, so a call with few splits keeps many items' loads in flight per
 //!   SM) or `_merge_s64` (up to 64: one block per item, its four warps sharing the splits).
 //! - sm_90a (compute capability 9.0, `CudaOptions::kernels` = `Auto`; see
-//!   `attend::uses_wgmma`): the split of head dim 128 with one warp per m16 tile (more than 32 query
-//!   rows per block, e.g. K = 15) is a warpgroup-MMA form. Its 64 query rows are one
-//!   warpgroup; the tiles are staged by the same cp.async code into the 128-byte swizzled
+//!   `attend::uses_wgmma`): the split of head dim 128 with more than 16 query rows per KV
+//!   head (K = 7 and K = 15 of the official drafts; at K = 7 the portable kernels use
+//!   key-split pairs) runs the `_d128` entry as a warpgroup-MMA form. Its 64 query rows are
+//!   one warpgroup (rows past the block's live ones are zero in Q and masked); the tiles are staged by the same cp.async code into the 128-byte swizzled
 //!   layout without padding; S = Q K^T is one chain of 8 wgmma m64n32k16 per tile (both
 //!   operands from shared memory), P V four wgmma m64n128k16 (P hi and lo as register
 //!   operands, V an MN-major shared operand), in flight until the next tile's barrier. Same
