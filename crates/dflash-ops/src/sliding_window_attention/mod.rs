@@ -281,6 +281,16 @@ pub(crate) fn cases() -> Vec<Case> {
         rows,
         seed,
     };
+    // Head dim 128 with two query row blocks per KV head: group 8 x 16 columns.
+    let two_row_blocks = |window, rows, seed| CaseSpec {
+        q_heads: 16,
+        kv_heads: 2,
+        head_dim: 128,
+        cols: 16,
+        window,
+        rows,
+        seed,
+    };
     // Official 35B-A3B local layer, F around the window (shorter, equal, longer), mixed live.
     let mixed16 = vec![
         (100, 16),
@@ -365,28 +375,12 @@ pub(crate) fn cases() -> Vec<Case> {
         Case::new(
             OP,
             "d128_hq16_hkv2_window2048_rows2_k15_dead_row_block",
-            case(CaseSpec {
-                q_heads: 16,
-                kv_heads: 2,
-                head_dim: 128,
-                cols: 16,
-                window: 2048,
-                rows: vec![(3000, 3), (50, 16)],
-                seed: 42,
-            }),
+            case(two_row_blocks(2048, vec![(3000, 3), (50, 16)], 42)),
         ),
         Case::new(
             OP,
             "d128_hq16_hkv2_window256_rows2_k15_dead_row_block",
-            case(CaseSpec {
-                q_heads: 16,
-                kv_heads: 2,
-                head_dim: 128,
-                cols: 16,
-                window: 256,
-                rows: vec![(1000, 3), (50, 16)],
-                seed: 43,
-            }),
+            case(two_row_blocks(256, vec![(1000, 3), (50, 16)], 43)),
         ),
         Case::new(
             OP,

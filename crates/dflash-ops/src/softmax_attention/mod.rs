@@ -367,6 +367,17 @@ pub(crate) fn cases() -> Vec<Case> {
         spare: 3,
         seed,
     };
+    // Head dim 128 with two query row blocks per KV head: group 8 x 16 columns.
+    let two_row_blocks = |rows, seed| CaseSpec {
+        q_heads: 16,
+        kv_heads: 2,
+        head_dim: 128,
+        cols: 16,
+        page_size: 16,
+        rows,
+        spare: 3,
+        seed,
+    };
     vec![
         Case::new(
             OP,
@@ -492,30 +503,12 @@ pub(crate) fn cases() -> Vec<Case> {
         Case::new(
             OP,
             "d128_hq16_hkv2_p16_rows2_k15_dead_row_block_f1000",
-            case(CaseSpec {
-                q_heads: 16,
-                kv_heads: 2,
-                head_dim: 128,
-                cols: 16,
-                page_size: 16,
-                rows: vec![(1000, 3), (50, 16)],
-                spare: 3,
-                seed: 40,
-            }),
+            case(two_row_blocks(vec![(1000, 3), (50, 16)], 40)),
         ),
         Case::new(
             OP,
             "d128_hq16_hkv2_p16_rows2_k15_dead_row_block_f100",
-            case(CaseSpec {
-                q_heads: 16,
-                kv_heads: 2,
-                head_dim: 128,
-                cols: 16,
-                page_size: 16,
-                rows: vec![(100, 3), (20, 16)],
-                spare: 3,
-                seed: 41,
-            }),
+            case(two_row_blocks(vec![(100, 3), (20, 16)], 41)),
         ),
         // Head dim 256 (16-key tiles, the d256 split) with a frontier of 2000: about 33
         // launched splits, so the block-per-item merge over two 128-element chunks.
