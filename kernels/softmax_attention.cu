@@ -254,7 +254,7 @@ __device__ __forceinline__ void attn_split_body(
 
     // Zero the padding columns [head_dim, DP) of Q and every K/V stage once: loads never
     // write them, and Q K^T / P V then see exact zeros there.
-    if (!WG && !fast) {
+    if (!fast) {
         for (int e = tid; e < (ATTN_ROWS + 2 * STAGES * KT) * (DP - head_dim); e += ATTN_THREADS) {
             const int row = e / (DP - head_dim);
             const int c = head_dim + e % (DP - head_dim);
@@ -510,23 +510,23 @@ __device__ __forceinline__ void attn_split_body(
             df_wg_wait<0>();
         } else {
 #pragma unroll
-        for (int j = 0; j < NKW; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+            for (int j = 0; j < NKW; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
-        for (int kc = 0; kc < C::KC; ++kc) {
-            unsigned a0, a1, a2, a3;
-            df_ldsm_x4(df_smem_u32(Qs + (mrow0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
-                                   kc * 16 + (lane >> 4) * 8),
-                       a0, a1, a2, a3);
+            for (int kc = 0; kc < C::KC; ++kc) {
+                unsigned a0, a1, a2, a3;
+                df_ldsm_x4(df_smem_u32(Qs + (mrow0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                       kc * 16 + (lane >> 4) * 8),
+                           a0, a1, a2, a3);
 #pragma unroll
-            for (int np = 0; np < NKW / 2; ++np) {
-                unsigned b0, b1, b2, b3;
-                df_ldsm_x4(df_smem_u32(Ks + (kbeg + np * 16 + (lane & 7) + (lane >> 4) * 8) * LD +
-                                       kc * 16 + ((lane >> 3) & 1) * 8),
-                           b0, b1, b2, b3);
-                df_mma_bf16(sc[2 * np], a0, a1, a2, a3, b0, b1);
-                df_mma_bf16(sc[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                for (int np = 0; np < NKW / 2; ++np) {
+                    unsigned b0, b1, b2, b3;
+                    df_ldsm_x4(df_smem_u32(Ks + (kbeg + np * 16 + (lane & 7) + (lane >> 4) * 8) * LD +
+                                           kc * 16 + ((lane >> 3) & 1) * 8),
+                               b0, b1, b2, b3);
+                    df_mma_bf16(sc[2 * np], a0, a1, a2, a3, b0, b1);
+                    df_mma_bf16(sc[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                }
             }
-        }
         }
         // Mask (edge tiles only), online softmax (per thread: rows g, g + 8; a quad shares a row).
 #pragma unroll

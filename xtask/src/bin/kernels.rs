@@ -4,8 +4,8 @@
 //!
 //! `dflash-kernels [--arch sm_80,sm_86,...]` (default: sm_80, sm_86, sm_89, sm_90, sm_100,
 //! sm_120), plus every architecture-specific module for its own architecture (the wgmma heads
-//! and attention splits for sm_90a). Prints one line per (module, arch) and exits 1 when any compile fails, 3 when
-//! NVRTC or the headers cannot be found.
+//! and attention splits for sm_90a). Prints one line per (module, arch) and exits 1 when any
+//! compile fails, 3 when NVRTC or the headers cannot be found.
 
 use std::process::ExitCode;
 

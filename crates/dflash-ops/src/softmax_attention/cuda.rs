@@ -139,8 +139,8 @@ pub(crate) struct AttnCall<'a> {
 }
 
 /// Launch the split kernel `{op}_split_d{DP}` (or `_d{DP}_ks2`, see
-/// [`attend::key_split_pairs`], except where [`attend::uses_wgmma`]) and the merge `{op}_merge_w8`, `_w16` or `_s64` (see
-/// [`merge_entry`]) of the op's `modules`: the split from the sm_90a module where
+/// [`attend::key_split_pairs`], except where [`attend::uses_wgmma`]) and the merge
+/// `{op}_merge_w8`, `_w16` or `_s64` (see [`merge_entry`]) of the op's `modules`: the split from the sm_90a module where
 /// [`attend::uses_wgmma`] (its `_d128` entry is the wgmma form, with
 /// [`attend::smem_bytes_wgmma`]), else from the portable one; the merge from the portable one.
 /// Shapes were validated by the op's `run`.
