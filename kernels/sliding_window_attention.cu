@@ -36,8 +36,8 @@ __device__ __forceinline__ AttnRow sliding_window_attention_row(const int* start
     return w;
 }
 
-// grid (kv_heads * row_blocks, rows, splits), ATTN_THREADS threads, dynamic shared memory
-// attend::smem_bytes(DP); entry points as the full layer's (`_d{DP}`, `_d{DP}_ks2`).
+// grid (kv_heads * row_blocks, rows, splits), AttnWg<DP, KS>::threads threads, dynamic shared
+// memory SplitForm::smem_bytes; entry points as the full layer's (`_d{DP}`, `_d{DP}_ks2`).
 template <int DP, int KS>
 __device__ __forceinline__ void sliding_window_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
@@ -55,8 +55,9 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
                             kvh, rb, s, rows, cols, q_heads, kv_heads, head_dim, splits);
 }
 
-#define ATTN_RING_ENTRY(NAME, DP, KS, MINB)                                                        \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) NAME(                       \
+#define ATTN_RING_ENTRY(NAME, DP, KS)                                                            \
+    extern "C" __global__ void                                                                   \
+    __launch_bounds__((AttnWg<DP, KS>::threads), (AttnWg<DP, KS>::min_blocks)) NAME(             \
         const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,          \
         const __nv_bfloat16* ring_k, const __half* ring_v, const int* lanes,                     \
         const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,       \

@@ -27,16 +27,21 @@
 // and block tiles run in two loops of one tile step instantiated for each (FP16 or BF16 P V),
 // so neither issues the other's MMAs under predicates.
 //
-// sm_90a variant (this source compiled with ATTN_WGMMA for sm_90a; AttnWg): the split of head
-// dim 128 with one warp per m16 tile takes its 64 query rows as one warpgroup (the launcher
-// also gives it the blocks of 17 to 32 rows that the portable kernels split in key pairs;
-// the rows past the live ones are zero in Q and masked, as everywhere). Q and the K / V
-// tiles are staged by the same cp.async code into the 128-byte swizzled layout (df_sw128_off,
-// no padding); per tile one chain of 8 wgmma m64n32k16 (Q and K from shared memory) gives S,
-// the softmax runs on the same fragments as above, and 4 wgmma m64n128k16 (P hi and lo from
-// registers, V an MN-major shared operand) add P V; that group stays in flight until the next
-// tile step's start, before the barrier that frees its stage. The softmax sums keep their
-// mma.sync (P times ones). Numbers, masks, the workspace and the merge are the portable ones.
+// sm_90a variant (this source compiled with ATTN_WGMMA for sm_90a; AttnWg): the splits of
+// head dim 128 take their 64 query rows as one warpgroup (the launcher also gives them the
+// blocks of 17 to 32 rows that the portable kernels split in key pairs; the rows past the
+// live ones are zero in Q and masked, as everywhere). `_d128`: one warpgroup per block,
+// 32-key tiles, 3 stages. `_d128_ks2`: a pair of warpgroups (256 threads, one block per SM)
+// shares Q and every 64-key tile (warpgroup w takes keys 32 w .. 32 w + 31, 4 stages), each
+// with its own online softmax; the second hands its state to the first through shared
+// memory before the split writes its one partial (the launcher's SplitForm::pairs_pay says
+// where that pays). Q and the K / V tiles are staged by the same cp.async code into the
+// 128-byte swizzled layout (df_sw128_off, no padding); per tile one chain of 8 wgmma
+// m64n32k16 (Q and K from shared memory) gives S, the softmax runs on the same fragments as
+// above, and 4 wgmma m64n128k16 (P hi and lo from registers, V an MN-major shared operand)
+// add P V; that group stays in flight until the next tile step's start, before the barrier
+// that frees its stage. The softmax sums keep their mma.sync (P times ones). Numbers, masks,
+// the workspace and the merge are the portable ones.
 //
 // Workspace (f32 words; item = ((r * cols + i) * Hq + h) * splits + s):
 //   ws[2 * item] = m (the row's base: an integer in base-2 scaled units, at least the max
@@ -56,7 +61,7 @@
 // ordinary launch, started after its writers had finished); each then waits for the split's
 // completion before it reads a partial or writes the output.
 
-#define ATTN_THREADS 128
+#define ATTN_THREADS 128  // threads of a portable split block (AttnWg::threads)
 #define ATTN_ROWS 64
 #define ATTN_MIN_BLOCKS 3  // resident blocks per SM the register budget is sized for
 #define ATTN_NEG_INF __int_as_float((int)0xff800000u)  // -inf without <math.h> (NVRTC)
@@ -115,12 +120,19 @@ struct AttnCfg {
 template <int DP, int KS>
 struct AttnWg {
 #ifdef ATTN_WGMMA
-    static constexpr bool value = DP == 128 && KS == 1;
+    static constexpr bool value = DP == 128;
 #else
     static constexpr bool value = false;
 #endif
+    // Threads, keys per tile, pipeline depth and the resident blocks per SM the register
+    // budget is sized for (the portable AttnCfg values where !value). KS = 2: two warpgroups
+    // of one block share every 64-key tile (32 keys each). Mirrored by the launcher's
+    // `attend::wgmma_threads` / `tile_keys_wgmma` / `stages_wgmma`.
+    static constexpr int threads = value ? 128 * KS : ATTN_THREADS;
+    static constexpr int kt = value ? 32 * KS : AttnCfg<DP>::KT;
+    static constexpr int stages = value ? (KS == 2 ? 4 : 3) : AttnCfg<DP>::STAGES;
+    static constexpr int min_blocks = value && KS == 2 ? 1 : (DP == 256 ? 1 : ATTN_MIN_BLOCKS);
 };
-
 // Context addressing of the full layer: position p of the row lives in page table[p / ps],
 // slot p % ps. `slot` returns the flat slot, or -1 when the page id is out of range (the key
 // is then invisible). Tile-wise (see attn_split_body): `unit` is the page size and
@@ -213,10 +225,13 @@ __device__ __forceinline__ void attn_split_body(
     const __half* __restrict__ ctx_v, float* __restrict__ ws, int r, int kvh, int rb, int s,
     int rows, int cols, int q_heads, int kv_heads, int head_dim, int splits) {
     typedef AttnCfg<DP> C;
-    constexpr int KT = C::KT, LD = C::LD, STAGES = C::STAGES, NK = C::NK, ND = C::ND;
+    typedef AttnWg<DP, KS> W;
+    constexpr bool WG = W::value;
+    constexpr int THREADS = W::threads, KT = W::kt, STAGES = W::stages;
+    constexpr int LD = C::LD, NK = KT / 8, ND = C::ND;
     constexpr int NKW = NK / KS;  // key n8 tiles of one warp per tile
-    constexpr bool WG = AttnWg<DP, KS>::value;
-    static_assert(KS == 1 || (KS == 2 && KT == 32), "key-split pairs need 32-key tiles");
+    static_assert(KS == 1 || (KS == 2 && KT == (WG ? 64 : 32)),
+                  "key-split pairs need 32-key tiles (warpgroup pairs: 64-key tiles)");
     static_assert(NKW % 2 == 0, "a warp takes whole k16 chunks of P V");
     // Shared tiles: rows of LD elements (portable), or (WG) the 128-byte swizzled layout of
     // df_sw128_off without padding, from a 1024-byte-aligned base.
@@ -255,7 +270,7 @@ __device__ __forceinline__ void attn_split_body(
     // Zero the padding columns [head_dim, DP) of Q and every K/V stage once: loads never
     // write them, and Q K^T / P V then see exact zeros there.
     if (!fast) {
-        for (int e = tid; e < (ATTN_ROWS + 2 * STAGES * KT) * (DP - head_dim); e += ATTN_THREADS) {
+        for (int e = tid; e < (ATTN_ROWS + 2 * STAGES * KT) * (DP - head_dim); e += THREADS) {
             const int row = e / (DP - head_dim);
             const int c = head_dim + e % (DP - head_dim);
             if (row < ATTN_ROWS) Qs[row * LD + c] = __float2bfloat16_rn(0.0f);
@@ -286,7 +301,7 @@ __device__ __forceinline__ void attn_split_body(
     // rows of the m16 tiles that live warps read (q_rows; WG: all 64, every warp computes).
     const int q_rows = WG ? ATTN_ROWS : (live_rows + 15) / 16 * 16;
     if (fast) {
-        constexpr int CH = DP / 8, PER = ATTN_ROWS * CH / ATTN_THREADS, MSTEP = ATTN_THREADS / CH;
+        constexpr int CH = DP / 8, PER = ATTN_ROWS * CH / THREADS, MSTEP = THREADS / CH;
         const int c = tid % CH;
 #pragma unroll
         for (int u = 0; u < PER; ++u) {
@@ -299,7 +314,7 @@ __device__ __forceinline__ void attn_split_body(
             df_cp_async16(dst, valid ? (const void*)(src + c * 8) : (const void*)q, valid);
         }
     } else {
-        for (int e = tid; e < q_rows * chunks; e += ATTN_THREADS) {
+        for (int e = tid; e < q_rows * chunks; e += THREADS) {
             const int m = e / chunks, c = e % chunks;
             bool valid;
             const unsigned short* src = q_src(m, valid);
@@ -353,8 +368,8 @@ __device__ __forceinline__ void attn_split_body(
     // This thread's rows and chunk of a staged tile (head_dim == DP, KT * DP / 8 >= threads):
     // keys ld_t + u * LD_KSTEP (u < LD_PER), chunk ld_c.
     constexpr int LD_CH = DP / 8;
-    constexpr int LD_PER = KT * LD_CH / ATTN_THREADS > 0 ? KT * LD_CH / ATTN_THREADS : 1;
-    constexpr int LD_KSTEP = ATTN_THREADS / LD_CH > 0 ? ATTN_THREADS / LD_CH : 1;
+    constexpr int LD_PER = KT * LD_CH / THREADS > 0 ? KT * LD_CH / THREADS : 1;
+    constexpr int LD_KSTEP = THREADS / LD_CH > 0 ? THREADS / LD_CH : 1;
     const int ld_t = tid / LD_CH, ld_c = tid % LD_CH;
     // Stage tile tt into buffer st: K, V rows, their kpos (context: p - F in -n_ctx..-1;
     // block: the column; ATTN_NO_KEY when invalid) and the tile's full flag.
@@ -375,7 +390,7 @@ __device__ __forceinline__ void attn_split_body(
         auto row_off = [&](int sl) -> long long {
             return (is_ctx ? 0LL : blk0) + (long long)sl * slot_stride + kvh_off;
         };
-        if (fast && KT * LD_CH >= ATTN_THREADS) {
+        if (fast && KT * LD_CH >= THREADS) {
             // WG: rows ld_t + u * LD_KSTEP share ld_t % 8 (LD_KSTEP is a multiple of 8), so
             // one swizzled chunk offset serves every u.
             static_assert(!WG || LD_KSTEP % 8 == 0, "swizzle phase constant over u");
@@ -412,7 +427,7 @@ __device__ __forceinline__ void attn_split_body(
                 df_cp_async16(df_smem_u32(Vs + ld_t * LD + ld_c * 8), vbase + off, valid);
             }
         } else {
-            for (int e = tid; e < KT * chunks; e += ATTN_THREADS) {
+            for (int e = tid; e < KT * chunks; e += THREADS) {
                 const int t = e / chunks, c = e % chunks;
                 const int sl = key_slot(tt, ta, t);
                 const bool valid = sl >= 0;
@@ -421,14 +436,19 @@ __device__ __forceinline__ void attn_split_body(
                 copy_chunk(Vs + t * LD, vbase + off, valid, c);
             }
         }
-        if (warp == 0) {  // KT <= 32: warp 0 writes the key list and the full flag
-            int kp = ATTN_NO_KEY;
-            if (lane < KT) {
-                const bool valid = contiguous || key_slot(tt, ta, lane) >= 0;
-                if (valid) kp = is_ctx ? tt * KT + lane - n_ctx : (tt - plan.t_ctx) * KT + lane;
-                kpos[st * KT + lane] = kp;
+        if (warp == 0) {  // warp 0 writes the key list (32 keys per pass) and the full flag
+            bool all_valid = true;
+#pragma unroll
+            for (int t0k = 0; t0k < KT; t0k += 32) {
+                const int t = t0k + lane;
+                int kp = ATTN_NO_KEY;
+                if (t < KT) {
+                    const bool valid = contiguous || key_slot(tt, ta, t) >= 0;
+                    if (valid) kp = is_ctx ? tt * KT + t - n_ctx : (tt - plan.t_ctx) * KT + t;
+                    kpos[st * KT + t] = kp;
+                }
+                all_valid = __all_sync(0xffffffffu, t >= KT || kp != ATTN_NO_KEY) && all_valid;
             }
-            const bool all_valid = __all_sync(0xffffffffu, lane >= KT || kp != ATTN_NO_KEY);
             // Context key kk (= p - F) is visible to column i iff kk - i > -window: the first
             // key and the last live column decide for the whole tile.
             const bool in_window = window == 0 || tt * KT - n_ctx - (L - 1) > -window;
@@ -436,10 +456,11 @@ __device__ __forceinline__ void attn_split_body(
         }
     };
 
-    // Warp roles (see above): m-tile, key share.
+    // Warp roles (see above): m-tile, key share. WG: warp w of warpgroup w / 4 holds rows
+    // 16 (w % 4) .. of the wgmma fragments; warpgroup pairs (KS = 2) split every tile's keys.
     const int n_mt = (live_rows + 15) / 16;
-    const int mt = warp / KS;
-    const int kbeg = (warp % KS) * (KT / KS);
+    const int mt = WG ? warp % 4 : warp / KS;
+    const int kbeg = (WG ? warp / 4 : warp % KS) * (KT / KS);
     const bool warp_live = mt < n_mt;
     const int mrow0 = mt * 16;
     int col_of[2];
@@ -503,7 +524,8 @@ __device__ __forceinline__ void attn_split_body(
 #pragma unroll
             for (int kc = 0; kc < C::KC; ++kc) {
                 const unsigned qa = df_smem_u32(Qs) + (kc >> 2) * (ATTN_ROWS * 128) + (kc & 3) * 32;
-                const unsigned ka = df_smem_u32(Ks) + (kc >> 2) * (KT * 128) + (kc & 3) * 32;
+                const unsigned ka =
+                    df_smem_u32(Ks) + (kc >> 2) * (KT * 128) + kbeg * 128 + (kc & 3) * 32;
                 df_wgmma_bf16(sc, df_wg_desc(qa, 16, 1024), df_wg_desc(ka, 16, 1024), kc > 0);
             }
             df_wg_commit();
@@ -637,7 +659,8 @@ __device__ __forceinline__ void attn_split_body(
             df_wg_fence();
 #pragma unroll
             for (int kc2 = 0; kc2 < NKW / 2; ++kc2) {
-                const u64 vd = df_wg_desc(df_smem_u32(Vs) + kc2 * 16 * 128, KT * 128, 1024);
+                const u64 vd =
+                    df_wg_desc(df_smem_u32(Vs) + (kbeg + kc2 * 16) * 128, KT * 128, 1024);
 #pragma unroll
                 for (int part = 0; part < 2; ++part) {
                     if (CTX) df_wgmma_rs_f16_nt(o, wg_a[kc2][part], vd, 1);
@@ -653,38 +676,41 @@ __device__ __forceinline__ void attn_split_body(
     if (WG) df_wg_wait<0>();
     df_cp_wait<0>();
 
-    // Key-split pairs: the second warp of a pair hands its state to the first through shared
-    // memory (the K/V stages are free now), which combines the two.
+    // Key-split pairs: the second warp of a pair (WG: the second warpgroup's warp of the same
+    // m-tile) hands its state to the first through shared memory (the K/V stages are free
+    // now; word e of lane l at [mt][e][l], conflict-free), which combines the two.
     if (KS == 2) {
+        constexpr int XW = 4 * ND + 4;  // words per lane: m, l of two rows, the accumulators
+        static_assert(KS == 1 || 4 * 32 * XW * 4 <= 2 * STAGES * T_EL * 2, "exchange fits in the stages");
+        const bool second = WG ? warp >= 4 : (warp % 2) == 1;
         __syncthreads();  // every warp is done with the stages
-        float* xch = reinterpret_cast<float*>(KVs) + (size_t)mt * 32 * (4 * ND + 4);
-        if (warp_live && (warp % 2) == 1) {
-            float* my = xch + lane * (4 * ND + 4);
-            my[0] = m_run[0];
-            my[1] = m_run[1];
-            my[2] = ls[0];
-            my[3] = ls[2];
+        float* xch = reinterpret_cast<float*>(KVs) + (size_t)mt * 32 * XW + lane;
+        if (warp_live && second) {
+            xch[0] = m_run[0];
+            xch[32] = m_run[1];
+            xch[64] = ls[0];
+            xch[96] = ls[2];
 #pragma unroll
             for (int dt = 0; dt < ND; ++dt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) my[4 + 4 * dt + e] = o[dt][e];
+                for (int e = 0; e < 4; ++e) xch[32 * (4 + 4 * dt + e)] = o[dt][e];
         }
         __syncthreads();
-        if (warp % 2 == 1) return;
+        if (second) return;
         if (warp_live) {
-            const float* pr = xch + lane * (4 * ND + 4);
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
-                const float m1 = pr[h2];
+                const float m1 = xch[32 * h2];
                 const float M = fmaxf(m_run[h2], m1);
                 const float a0 = attn_scale(m_run[h2], M);
                 const float a1 = attn_scale(m1, M);
                 m_run[h2] = M;
-                ls[2 * h2] = ls[2 * h2] * a0 + pr[2 + h2] * a1;
+                ls[2 * h2] = ls[2 * h2] * a0 + xch[32 * (2 + h2)] * a1;
 #pragma unroll
                 for (int dt = 0; dt < ND; ++dt) {
-                    o[dt][2 * h2] = o[dt][2 * h2] * a0 + pr[4 + 4 * dt + 2 * h2] * a1;
-                    o[dt][2 * h2 + 1] = o[dt][2 * h2 + 1] * a0 + pr[4 + 4 * dt + 2 * h2 + 1] * a1;
+                    o[dt][2 * h2] = o[dt][2 * h2] * a0 + xch[32 * (4 + 4 * dt + 2 * h2)] * a1;
+                    o[dt][2 * h2 + 1] =
+                        o[dt][2 * h2 + 1] * a0 + xch[32 * (4 + 4 * dt + 2 * h2 + 1)] * a1;
                 }
             }
         }
@@ -848,22 +874,24 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, in
     }
 }
 
-// The split entry points of attention op OP, as X(NAME, DP, KS, MIN_BLOCKS): `OP_split_d{DP}`
-// (KS = 1) and, for DP <= 128, `OP_split_d{DP}_ks2` (KS = 2: at most 32 query rows per
-// block). Mirrored by the launcher's `split_name`; both ops instantiate this one list.
-#define ATTN_SPLIT_ENTRIES(X, OP)                       \
-    X(OP##_split_d16, 16, 1, ATTN_MIN_BLOCKS)           \
-    X(OP##_split_d32, 32, 1, ATTN_MIN_BLOCKS)           \
-    X(OP##_split_d64, 64, 1, ATTN_MIN_BLOCKS)           \
-    X(OP##_split_d128, 128, 1, ATTN_MIN_BLOCKS)         \
-    X(OP##_split_d256, 256, 1, 1)                       \
-    X(OP##_split_d16_ks2, 16, 2, ATTN_MIN_BLOCKS)       \
-    X(OP##_split_d32_ks2, 32, 2, ATTN_MIN_BLOCKS)       \
-    X(OP##_split_d64_ks2, 64, 2, ATTN_MIN_BLOCKS)       \
-    X(OP##_split_d128_ks2, 128, 2, ATTN_MIN_BLOCKS)
+// The split entry points of attention op OP, as X(NAME, DP, KS): `OP_split_d{DP}` (KS = 1)
+// and, for DP <= 128, `OP_split_d{DP}_ks2` (KS = 2: portable, key-split warp pairs for at
+// most 32 query rows per block; sm_90a `_d128_ks2`, a pair of warpgroups). Threads and
+// resident blocks per SM: AttnWg<DP, KS>. Mirrored by the launcher's `split_name`; both ops
+// instantiate this one list.
+#define ATTN_SPLIT_ENTRIES(X, OP)   \
+    X(OP##_split_d16, 16, 1)        \
+    X(OP##_split_d32, 32, 1)        \
+    X(OP##_split_d64, 64, 1)        \
+    X(OP##_split_d128, 128, 1)      \
+    X(OP##_split_d256, 256, 1)      \
+    X(OP##_split_d16_ks2, 16, 2)    \
+    X(OP##_split_d32_ks2, 32, 2)    \
+    X(OP##_split_d64_ks2, 64, 2)    \
+    X(OP##_split_d128_ks2, 128, 2)
 
-// Full-layer entry: grid (kv_heads * row_blocks, rows, splits), ATTN_THREADS threads, dynamic
-// shared memory attend::smem_bytes(DP).
+// Full-layer entry: grid (kv_heads * row_blocks, rows, splits), AttnWg<DP, KS>::threads
+// threads, dynamic shared memory SplitForm::smem_bytes (crates/dflash-ops, attend.rs).
 template <int DP, int KS>
 __device__ __forceinline__ void softmax_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
@@ -883,8 +911,9 @@ __device__ __forceinline__ void softmax_attention_split_entry(
                             kvh, rb, s, rows, cols, q_heads, kv_heads, head_dim, splits);
 }
 
-#define ATTN_FULL_ENTRY(NAME, DP, KS, MINB)                                                        \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) NAME(                       \
+#define ATTN_FULL_ENTRY(NAME, DP, KS)                                                            \
+    extern "C" __global__ void                                                                   \
+    __launch_bounds__((AttnWg<DP, KS>::threads), (AttnWg<DP, KS>::min_blocks)) NAME(             \
         const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,          \
         const __nv_bfloat16* pages_k, const __half* pages_v, const int* page_table,              \
         const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,       \

@@ -50,41 +50,133 @@ pub(crate) fn stages(dp: usize) -> usize {
     if dp <= 128 { 3 } else { 2 }
 }
 
-/// Dynamic shared memory of the CUDA split kernel for padded head dimension `dp`: the Q
-/// block, `stages` K and V tiles (rows padded by 8 elements), one `kpos` array per stage and
-/// one full-tile flag per stage.
+/// Where [`SplitForm::pairs_pay`] stops choosing warpgroup pairs: the most 32-key tiles per
+/// split of the single-warpgroup plan (measured: pairs win at 2 to 3 tiles per split, lose at
+/// 84).
 #[cfg(any(feature = "cuda", test))]
-pub(crate) fn smem_bytes(dp: usize) -> usize {
-    let (kt, ld, st) = (tile_keys(dp), dp + 8, stages(dp));
-    (BLOCK_QUERY_ROWS * ld + 2 * st * kt * ld) * 2 + st * kt * 4 + st * 4
+const PAIR_MAX_TILES_PER_SPLIT: usize = 4;
+
+/// The form of the split kernel the CUDA launcher runs for one call (`AttnWg` /
+/// `ATTN_SPLIT_ENTRIES` of kernels/softmax_attention.cu). Portable forms come from the module
+/// compiled for the device's own architecture, the warpgroup forms from the sm_90a module.
+#[cfg(any(feature = "cuda", test))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SplitForm {
+    /// Portable `_d{DP}`: one warp per m16 tile of the 64 query rows, 4 warps.
+    Warps,
+    /// Portable `_d{DP}_ks2`: at most 32 query rows (two m16 tiles), each taken by a pair of
+    /// warps that split every 32-key tile.
+    WarpPairs,
+    /// sm_90a `_d128`: the 64 query rows as one warpgroup (wgmma), 32-key tiles, 3 stages.
+    Warpgroup,
+    /// sm_90a `_d128_ks2`: two warpgroups of one block share Q and every 64-key tile (32
+    /// keys each, 4 stages) and combine their states in shared memory before the split's
+    /// one partial: half the partials of [`SplitForm::Warpgroup`] for the same keys per block.
+    WarpgroupPairs,
 }
 
-/// Whether the launcher uses the sm_90a warpgroup-MMA split (`AttnWg` of the module compiled
-/// with `ATTN_WGMMA`, entry `_d128`, one warpgroup per block of 64 query rows): on a backend
-/// with the sm_90a variants (`sm90a`), for head dim exactly 128 and more than 16 query rows
-/// per KV head (`G * cols`: K = 7 and K = 15 of the official drafts; a block of 17 to 32 rows,
-/// which the portable kernels give to key-split pairs, leaves the rest of the 64 rows dead,
-/// zero in Q and masked). Everything else runs the portable kernels.
 #[cfg(any(feature = "cuda", test))]
-pub(crate) fn uses_wgmma(g: &Geometry, sm90a: bool) -> bool {
-    sm90a && g.head_dim == 128 && g.group().saturating_mul(g.cols) > 16
-}
+impl SplitForm {
+    /// The form for geometry `g` whose rows see at most `key_capacity` keys, on a backend
+    /// with (`sm90a`) or without the sm_90a variants, on a device of `sm_count` SMs.
+    /// - Warpgroup forms: head dim exactly 128 and more than 16 query rows per KV head (`G *
+    ///   cols`: K = 7 and K = 15 of the official drafts; a block of 17 to 32 rows, which the
+    ///   portable kernels give to key-split pairs, leaves the rest of the 64 rows dead, zero in
+    ///   Q and masked).
+    /// - Pairs of warpgroups ([`Self::pairs_pay`]) where the single-warpgroup split would give
+    ///   each block only a few tiles; one warpgroup per block otherwise.
+    /// - Portable: warp pairs for at most 32 query rows and 32-key tiles (`dp <= 128`), else
+    ///   one warp per m16 tile.
+    pub(crate) fn choose(g: &Geometry, sm90a: bool, sm_count: usize, key_capacity: usize) -> Self {
+        let rows_per_kv = g.group().saturating_mul(g.cols);
+        if sm90a && g.head_dim == 128 && rows_per_kv > 16 {
+            return if Self::pairs_pay(g, sm_count, key_capacity) {
+                Self::WarpgroupPairs
+            } else {
+                Self::Warpgroup
+            };
+        }
+        if rows_per_kv <= 32 && tile_keys(padded_head_dim(g.head_dim)) == 32 {
+            Self::WarpPairs
+        } else {
+            Self::Warps
+        }
+    }
 
-/// Dynamic shared memory of the sm_90a warpgroup-MMA split (head dim 128): 1024 bytes of
-/// slack for the 1024-byte-aligned swizzled tiles, the Q block and `stages` K and V tiles
-/// without padding, the `kpos` arrays and the full-tile flags.
-#[cfg(any(feature = "cuda", test))]
-pub(crate) fn smem_bytes_wgmma() -> usize {
-    let (dp, kt, st) = (128, tile_keys(128), stages(128));
-    1024 + (BLOCK_QUERY_ROWS * dp + 2 * st * kt * dp) * 2 + st * kt * 4 + st * 4
-}
+    /// Whether the warpgroup pairs beat one warpgroup per block (measured on the H200, see
+    /// docs/performance.md): a full row block (more than 32 query rows per KV head, K = 15;
+    /// at K = 7 half the pair's rows are dead), at most `sm_count / 4` row blocks in the batch
+    /// (the pairs run one block per SM, so each row block still gets at least 4 splits), and
+    /// at most [`PAIR_MAX_TILES_PER_SPLIT`] 32-key tiles per split of the single-warpgroup
+    /// plan at `key_capacity` (3 blocks per SM): there each block's fixed costs (Q, the
+    /// pipeline's first tiles, a 32 KiB FP32 partial written and merged) outweigh its keys,
+    /// and a pair halves the partials. With many tiles per split the three independent
+    /// warpgroups per SM of the single form keep more work in flight than one pair.
+    fn pairs_pay(g: &Geometry, sm_count: usize, key_capacity: usize) -> bool {
+        let rows_per_kv = g.group().saturating_mul(g.cols);
+        let items = g
+            .rows
+            .saturating_mul(g.kv_heads)
+            .saturating_mul(rows_per_kv.div_ceil(BLOCK_QUERY_ROWS))
+            .max(1);
+        let splits = (3 * sm_count / items).clamp(1, split_count(g, key_capacity));
+        let tiles_per_split = key_capacity.div_ceil(32).div_ceil(splits);
+        rows_per_kv > 32
+            && items.saturating_mul(4) <= sm_count
+            && tiles_per_split <= PAIR_MAX_TILES_PER_SPLIT
+    }
 
-/// Whether the launcher uses the key-split-pair entry point (`_d{DP}_ks2`, KS = 2): at most
-/// 32 query rows per block (two m16 tiles, so two warps per tile share its keys) and 32-key
-/// tiles (`dp <= 128`).
-#[cfg(any(feature = "cuda", test))]
-pub(crate) fn key_split_pairs(g: &Geometry, dp: usize) -> bool {
-    g.group().saturating_mul(g.cols) <= 32 && tile_keys(dp) == 32
+    /// Whether the form runs from the sm_90a module.
+    pub(crate) fn sm90a(self) -> bool {
+        matches!(self, Self::Warpgroup | Self::WarpgroupPairs)
+    }
+
+    /// Whether the entry point is the `_ks2` one (KS = 2).
+    pub(crate) fn key_split(self) -> bool {
+        matches!(self, Self::WarpPairs | Self::WarpgroupPairs)
+    }
+
+    /// Threads per block (`AttnWg::threads`).
+    pub(crate) fn threads(self) -> u32 {
+        if self == Self::WarpgroupPairs {
+            256
+        } else {
+            128
+        }
+    }
+
+    /// Keys per tile for padded head dimension `dp` (`AttnWg::kt`): what the merge needs to
+    /// recompute a row's plan.
+    pub(crate) fn tile_keys(self, dp: usize) -> usize {
+        match self {
+            Self::Warps | Self::WarpPairs => tile_keys(dp),
+            Self::Warpgroup => 32,
+            Self::WarpgroupPairs => 64,
+        }
+    }
+
+    /// Pipeline stages (`AttnWg::stages`).
+    pub(crate) fn stages(self, dp: usize) -> usize {
+        match self {
+            Self::Warps | Self::WarpPairs => stages(dp),
+            Self::Warpgroup => 3,
+            Self::WarpgroupPairs => 4,
+        }
+    }
+
+    /// Dynamic shared memory of the split kernel for padded head dimension `dp`. Portable:
+    /// the Q block, `stages` K and V tiles (rows padded by 8 elements), one `kpos` array and
+    /// one full-tile flag per stage. Warpgroup forms (dp = 128): 1024 bytes of slack for the
+    /// 1024-byte-aligned swizzled tiles, then the same without padding.
+    pub(crate) fn smem_bytes(self, dp: usize) -> usize {
+        let (kt, st) = (self.tile_keys(dp), self.stages(dp));
+        let (slack, ld) = if self.sm90a() {
+            (1024, dp)
+        } else {
+            (0, dp + 8)
+        };
+        slack + (BLOCK_QUERY_ROWS * ld + 2 * st * kt * ld) * 2 + st * kt * 4 + st * 4
+    }
 }
 
 /// The shape of one attention call, common to both ops.
@@ -778,52 +870,103 @@ mod tests {
         for d in [2, 16, 18, 32, 64, 100, 128, 130, 256] {
             let dp = padded_head_dim(d);
             assert!(dp >= d && dp.is_multiple_of(16), "{d} -> {dp}");
-            assert!(smem_bytes(dp) <= 99 * 1024, "{dp}: {}", smem_bytes(dp));
-            assert!(tile_keys(dp).is_multiple_of(16));
+            for form in [SplitForm::Warps, SplitForm::WarpPairs] {
+                assert!(
+                    form.smem_bytes(dp) <= 99 * 1024,
+                    "{dp}: {}",
+                    form.smem_bytes(dp)
+                );
+                assert!(form.tile_keys(dp).is_multiple_of(16));
+            }
         }
         assert_eq!(padded_head_dim(128), 128);
         // Q (64 rows) + 3 stages of 32 K and 32 V rows of 136 elements + 3 kpos arrays and
         // 3 full-tile flags.
         assert_eq!(
-            smem_bytes(128),
+            SplitForm::Warps.smem_bytes(128),
             (64 * 136 + 2 * 3 * 32 * 136) * 2 + 3 * 32 * 4 + 3 * 4
         );
         // Three blocks fit in an H200 SM (228 KiB, 1 KiB reserved per block).
-        assert!(3 * (smem_bytes(128) + 1024) <= 228 * 1024);
+        assert!(3 * (SplitForm::Warps.smem_bytes(128) + 1024) <= 228 * 1024);
+        // sm_90a: 1 KiB alignment slack + Q 64 x 128 + 3 stages of 32 K and 32 V rows of 128
+        // elements + 3 kpos arrays and 3 flags (three blocks per H200 SM); the warpgroup
+        // pairs: 4 stages of 64-key tiles (one block per SM, 227 KiB at most per block).
+        assert_eq!(
+            SplitForm::Warpgroup.smem_bytes(128),
+            1024 + (64 * 128 + 2 * 3 * 32 * 128) * 2 + 3 * 32 * 4 + 3 * 4
+        );
+        assert!(3 * (SplitForm::Warpgroup.smem_bytes(128) + 1024) <= 228 * 1024);
+        assert_eq!(
+            SplitForm::WarpgroupPairs.smem_bytes(128),
+            1024 + (64 * 128 + 2 * 4 * 64 * 128) * 2 + 4 * 64 * 4 + 4 * 4
+        );
+        assert!(SplitForm::WarpgroupPairs.smem_bytes(128) <= 227 * 1024);
+        assert_eq!(SplitForm::WarpgroupPairs.tile_keys(128), 64);
+        assert_eq!(SplitForm::WarpgroupPairs.threads(), 256);
+        assert_eq!(SplitForm::Warpgroup.threads(), 128);
     }
 
     #[test]
-    fn wgmma_split_only_for_head_dim_128_and_two_m_tiles_on_sm90a() {
-        // K = 15 (64 query rows per KV head): the wgmma split on sm_90a only.
-        assert!(uses_wgmma(&g(1, 16, 32, 8), true));
-        assert!(!uses_wgmma(&g(1, 16, 32, 8), false));
-        // K = 7 (32 rows, key-split pairs in the portable kernels) too; K = 3 (16 rows, one
-        // m16 tile) stays portable.
-        assert!(uses_wgmma(&g(1, 8, 32, 8), true));
-        assert!(uses_wgmma(&g(8, 5, 32, 8), true));
-        assert!(!uses_wgmma(&g(1, 4, 32, 8), true));
-        assert!(!uses_wgmma(&g(8, 2, 32, 8), true));
+    fn split_form_warpgroups_only_for_head_dim_128_and_two_m_tiles_on_sm90a() {
+        use SplitForm::*;
+        let form = |g: &Geometry, sm90a| SplitForm::choose(g, sm90a, 132, 4096 + 16);
+        // K = 15 (64 query rows per KV head): a warpgroup form on sm_90a only. B = 1 at a
+        // capacity of 4096 + 16 keys (8 row blocks; 49 single-warpgroup splits of 3 tiles)
+        // takes the pairs; B = 4 (12 splits of 11 tiles) and B = 8 (64 row blocks) one
+        // warpgroup per block.
+        assert_eq!(form(&g(1, 16, 32, 8), true), WarpgroupPairs);
+        assert_eq!(form(&g(4, 16, 32, 8), true), Warpgroup);
+        assert_eq!(form(&g(8, 16, 32, 8), true), Warpgroup);
+        assert_eq!(form(&g(1, 16, 32, 8), false), Warps);
+        // The tile bound: B = 1 at 6272 keys (49 splits of 4 tiles) still pairs, at 6300 (5
+        // tiles) and at 131072 + 16 (84) not; a local layer's window of 2048 (2047 + 16
+        // keys) pairs.
+        let pairs_at = |cap| SplitForm::choose(&g(1, 16, 32, 8), true, 132, cap);
+        assert_eq!(pairs_at(49 * 4 * 32), WarpgroupPairs);
+        assert_eq!(pairs_at(49 * 4 * 32 + 28), Warpgroup);
+        assert_eq!(pairs_at(131_072 + 16), Warpgroup);
+        assert_eq!(pairs_at(2047 + 16), WarpgroupPairs);
+        // A device with fewer SMs: 8 row blocks need at least 32 of them (1024 keys: 12
+        // single-warpgroup splits of 3 tiles on 32 SMs).
+        assert_eq!(
+            SplitForm::choose(&g(1, 16, 32, 8), true, 31, 1024),
+            Warpgroup
+        );
+        assert_eq!(
+            SplitForm::choose(&g(1, 16, 32, 8), true, 32, 1024),
+            WarpgroupPairs
+        );
+        // K = 7 (32 rows, key-split pairs in the portable kernels): one warpgroup (half of a
+        // pair's rows would be dead); K = 3 (16 rows, one m16 tile) stays portable.
+        assert_eq!(form(&g(1, 8, 32, 8), true), Warpgroup);
+        assert_eq!(form(&g(8, 5, 32, 8), true), Warpgroup);
+        assert_eq!(form(&g(1, 8, 32, 8), false), WarpPairs);
+        assert_eq!(form(&g(1, 4, 32, 8), true), WarpPairs);
+        assert_eq!(form(&g(8, 2, 32, 8), true), WarpPairs);
         // Head dims padded to 128 (but not 128) stay portable.
         let mut odd = g(1, 16, 32, 8);
         odd.head_dim = 100;
-        assert!(!uses_wgmma(&odd, true));
-        // 1 KiB alignment slack + Q 64 x 128 + 3 stages of 32 K and 32 V rows of 128
-        // elements + 3 kpos arrays and 3 flags; three blocks still fit an H200 SM.
-        assert_eq!(
-            smem_bytes_wgmma(),
-            1024 + (64 * 128 + 2 * 3 * 32 * 128) * 2 + 3 * 32 * 4 + 3 * 4
-        );
-        assert!(3 * (smem_bytes_wgmma() + 1024) <= 228 * 1024);
+        assert_eq!(form(&odd, true), Warps);
+        // Only the warpgroup forms run from the sm_90a module; only the pairs take `_ks2`.
+        assert!(Warpgroup.sm90a() && WarpgroupPairs.sm90a());
+        assert!(!Warps.sm90a() && !WarpPairs.sm90a());
+        assert!(WarpPairs.key_split() && WarpgroupPairs.key_split());
+        assert!(!Warps.key_split() && !Warpgroup.key_split());
     }
 
     #[test]
     fn key_split_pairs_only_for_two_m_tiles_of_32_key_tiles() {
         // 35B / 27B drafts: 4 query heads per KV head. K = 7 (8 columns): 32 rows -> pairs;
         // K = 15 (16 columns): 64 rows -> one warp per m16 tile.
-        assert!(key_split_pairs(&g(1, 8, 32, 8), 128));
-        assert!(!key_split_pairs(&g(1, 16, 32, 8), 128));
-        assert!(key_split_pairs(&g(8, 1, 32, 8), 64));
+        let form = |g: &Geometry| SplitForm::choose(g, false, 132, 4096 + 16);
+        assert_eq!(form(&g(1, 8, 32, 8)), SplitForm::WarpPairs);
+        assert_eq!(form(&g(1, 16, 32, 8)), SplitForm::Warps);
+        let mut d64 = g(8, 1, 32, 8);
+        d64.head_dim = 64;
+        assert_eq!(form(&d64), SplitForm::WarpPairs);
         // 16-key tiles (head dim 256) have no pairs (a warp takes whole k16 chunks).
-        assert!(!key_split_pairs(&g(1, 8, 32, 8), 256));
+        let mut d256 = g(1, 8, 32, 8);
+        d256.head_dim = 256;
+        assert_eq!(form(&d256), SplitForm::Warps);
     }
 }

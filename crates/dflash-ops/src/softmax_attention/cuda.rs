@@ -46,9 +46,6 @@ pub(crate) struct AttnModules {
     pub(crate) sm90a_source: &'static str,
 }
 
-/// Threads of a split block (four warps, one m16 query tile each: `ATTN_THREADS`).
-const SPLIT_THREADS: u32 = 128;
-
 /// Warps of a merge block (`ATTN_MERGE_WARPS`): the warps of one item (`_merge_s64`) or one
 /// item each (`_merge_w8`, `_merge_w16`).
 const MERGE_WARPS: u32 = 4;
@@ -163,21 +160,16 @@ pub(crate) fn launch(
 ) -> Result<()> {
     let (op, source) = (modules.module, modules.source);
     let dp = attend::padded_head_dim(g.head_dim);
-    // The split's module: the sm_90a variant (its `_d128` split is the wgmma form, also where
-    // the portable kernels would use key-split pairs) or the portable one; the merge always
+    // The split's form (its module: the sm_90a variant or the portable one); the merge always
     // comes from the portable module.
-    let wgmma = attend::uses_wgmma(g, c.uses_sm90a());
-    let name = split_name(op, dp, !wgmma && attend::key_split_pairs(g, dp));
-    let smem = if wgmma {
-        attend::smem_bytes_wgmma()
-    } else {
-        attend::smem_bytes(dp)
-    };
-    let kernel = if wgmma {
+    let form = attend::SplitForm::choose(g, c.uses_sm90a(), c.limits().sm_count, key_capacity);
+    let name = split_name(op, dp, form.key_split());
+    let (smem, threads) = (form.smem_bytes(dp), form.threads());
+    let kernel = if form.sm90a() {
         let (m, src) = (modules.sm90a_module, modules.sm90a_source);
-        c.kernel_for(m, Some(SM90A), src, name, SPLIT_THREADS, smem)?
+        c.kernel_for(m, Some(SM90A), src, name, threads, smem)?
     } else {
-        c.kernel(op, source, name, SPLIT_THREADS, smem)?
+        c.kernel(op, source, name, threads, smem)?
     };
     let row_blocks = (g.group() * g.cols).div_ceil(attend::BLOCK_QUERY_ROWS);
     let limit = 65_535usize;
@@ -217,7 +209,7 @@ pub(crate) fn launch(
     // Split-major block order (kernels/softmax_attention.cu): the items in x, the splits in z.
     let split_cfg = LaunchConfig {
         grid_dim: (grid_y as u32, g.rows as u32, splits as u32),
-        block_dim: (SPLIT_THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     // All shapes were checked to fit in i32 by `run`.
@@ -301,7 +293,7 @@ pub(crate) fn launch(
         block_dim: (32 * MERGE_WARPS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let kt = attend::tile_keys(dp) as i32;
+    let kt = form.tile_keys(dp) as i32;
     // The merge's parameters: (ws, start_pos, live, [lanes,] out) then (rows, cols, Hq, D,
     // [max_pages, page_size | n_lanes, window], splits, kt).
     let (lanes_p, ctx_ints) = match ctx {
