@@ -22,7 +22,7 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 pub(crate) const SM90A_MODULE: &str = "softmax_attention.sm_90a";
 
 /// Source of the full layer's sm_90a variant: [`SOURCE`] compiled with `ATTN_WGMMA` (its
-/// `_d128` split is the warpgroup-MMA form, see [`attend::uses_wgmma`]).
+/// `_d128` and `_d128_ks2` splits are the warpgroup-MMA forms, see [`attend::SplitForm`]).
 pub(crate) fn sm90a_source() -> &'static str {
     static SRC: OnceLock<String> = OnceLock::new();
     SRC.get_or_init(|| wgmma_source(SOURCE))
@@ -34,7 +34,8 @@ pub(crate) fn wgmma_source(source: &str) -> String {
 }
 
 /// The modules of one attention op: the portable one (compiled for the device's own
-/// architecture) and the sm_90a variant (used for the split where [`attend::uses_wgmma`]).
+/// architecture) and the sm_90a variant (used for the split where [`attend::SplitForm`] is a
+/// warpgroup form).
 pub(crate) struct AttnModules {
     /// Portable module name (the op id) and source.
     pub(crate) module: &'static str,
@@ -100,7 +101,7 @@ fn split_name(op: &str, dp: usize, pairs: bool) -> &'static str {
         .iter()
         .position(|&d| d == dp)
         .unwrap_or(4);
-    // Pairs exist only for 32-key tiles (dp <= 128, see `key_split_pairs`).
+    // `_ks2` entries exist only for dp <= 128 (see `SplitForm::choose`).
     let i = if pairs && i < 4 { 5 + i } else { i };
     if op == "softmax_attention" {
         FULL[i]
@@ -135,12 +136,11 @@ pub(crate) struct AttnCall<'a> {
     pub(crate) live: &'a Buffer<i32>,
 }
 
-/// Launch the split kernel `{op}_split_d{DP}` (or `_d{DP}_ks2`, see
-/// [`attend::key_split_pairs`], except where [`attend::uses_wgmma`]) and the merge
-/// `{op}_merge_w8`, `_w16` or `_s64` (see [`merge_entry`]) of the op's `modules`: the split from the sm_90a module where
-/// [`attend::uses_wgmma`] (its `_d128` entry is the wgmma form, with
-/// [`attend::smem_bytes_wgmma`]), else from the portable one; the merge from the portable one.
-/// Shapes were validated by the op's `run`.
+/// Launch the split kernel `{op}_split_d{DP}` or `_d{DP}_ks2` of the form
+/// [`attend::SplitForm::choose`] picks (from the sm_90a module for the warpgroup forms, else
+/// from the portable one; threads, shared memory and tile keys from the form) and the merge
+/// `{op}_merge_w8`, `_w16` or `_s64` (see [`merge_entry`]) from the portable module. Shapes
+/// were validated by the op's `run`.
 ///
 /// Grid of the split: (Hkv * row_blocks, rows, splits), a split-major block order (every
 /// item's split 0 first, so the blocks with work spread evenly over the SMs), with row_blocks

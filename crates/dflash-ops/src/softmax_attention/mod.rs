@@ -45,11 +45,12 @@
 //! differ only in the context map and the window).
 //! - Work split: the Hq / Hkv query heads of a KV head times the live columns of a request
 //!   form up to 64 query rows (four m16 tiles) that share every K/V tile; grid (Hkv * row
-//!   blocks, rows, splits) of 128 threads, a split-major block order (every item's first
-//!   split first, so the blocks with work spread evenly over the SMs; a row's splits past its
-//!   active count exit at once). A row's key list is its visible context (here `[0, F)`)
-//!   in tiles of 32 keys (16 for head dims above 128), then its live block columns; each
-//!   active split takes consecutive tiles, so the work follows the live context (a row with
+//!   blocks, rows, splits) of 128 threads (256 for the sm_90a warpgroup pairs below), a
+//!   split-major block order (every item's first split first, so the blocks with work spread
+//!   evenly over the SMs; a row's splits past its active count exit at once). A row's key
+//!   list is its visible context (here `[0, F)`) in tiles of 32 keys (16 for head dims above
+//!   128, 64 for the warpgroup pairs), then its live block columns; each active split takes
+//!   consecutive tiles, so the work follows the live context (a row with
 //!   300 keys uses 10 tiles whatever the capacity). The launched split count is
 //!   min([`split_count`], the device's resident blocks / (rows * Hkv * row blocks)).
 //! - Tiles: K/V tiles are staged through shared memory by cp.async in a 3-stage pipeline (2
@@ -82,13 +83,20 @@
 //!   four items per block, so a call with few splits keeps many items' loads in flight per
 //!   SM) or `_merge_s64` (up to 64: one block per item, its four warps sharing the splits).
 //! - sm_90a (compute capability 9.0, `CudaOptions::kernels` = `Auto`; see
-//!   `attend::uses_wgmma`): the split of head dim 128 with more than 16 query rows per KV
+//!   `attend::SplitForm`): the split of head dim 128 with more than 16 query rows per KV
 //!   head (K = 7 and K = 15 of the official drafts; at K = 7 the portable kernels use
-//!   key-split pairs) runs the `_d128` entry as a warpgroup-MMA form. Its 64 query rows are
-//!   one warpgroup (rows past the block's live ones are zero in Q and masked); the tiles are staged by the same cp.async code into the 128-byte swizzled
-//!   layout without padding; S = Q K^T is one chain of 8 wgmma m64n32k16 per tile (both
-//!   operands from shared memory), P V four wgmma m64n128k16 (P hi and lo as register
-//!   operands, V an MN-major shared operand), in flight until the next tile's barrier. Same
+//!   key-split pairs) runs a warpgroup-MMA form. Its 64 query rows are one warpgroup (rows
+//!   past the block's live ones are zero in Q and masked); the tiles are staged by the same
+//!   cp.async code into the 128-byte swizzled layout without padding; S = Q K^T is one chain
+//!   of 8 wgmma m64n32k16 per warpgroup and tile (both operands from shared memory), P V four
+//!   wgmma m64n128k16 (P hi and lo as register operands, V an MN-major shared operand), in
+//!   flight until the next tile's barrier. Entry `_d128`: one warpgroup per block, 32-key
+//!   tiles, 3 stages, 3 blocks per SM. Entry `_d128_ks2` (K = 15 where the batch has at most
+//!   sm_count / 4 row blocks and one warpgroup per block would give each split at most 4
+//!   tiles at the layer's key capacity: B = 1 of both drafts, `SplitForm::pairs_pay`): a pair
+//!   of warpgroups per block (256 threads, one block per SM) shares Q and every 64-key tile,
+//!   32 keys each with its own online softmax, and combines the two states in shared memory
+//!   before the split's one partial (half the partials for the same keys per block). Same
 //!   contract, masks, P representation, workspace and merge; every other shape runs the
 //!   portable kernels, and `KernelVariants::Portable` selects them everywhere.
 //! - Launch: on compute capability 9.0 and later the merge is a programmatic dependent launch
