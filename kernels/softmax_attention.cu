@@ -112,11 +112,10 @@ struct AttnCfg {
     static constexpr int KC = DP / 16;                 // k16 chunks of Q K^T
 };
 
-// Whether the split of (DP, KS) is the sm_90a warpgroup-MMA form (the module compiled with
-// ATTN_WGMMA, for sm_90a): DP = 128 with one warp per m16 tile (a block of 64 query rows is
-// one warpgroup); the launcher uses that module only where head_dim == 128 and a KV head has
-// more than 16 query rows (mirrored by `attend::uses_wgmma`). Every other entry of that module
-// is the portable code.
+// Whether the split of (DP, KS) is an sm_90a warpgroup-MMA form (the module compiled with
+// ATTN_WGMMA, for sm_90a): DP = 128, a block of 64 query rows as one warpgroup (KS = 1) or as
+// a pair of warpgroups sharing each tile's keys (KS = 2). The launcher uses that module only
+// for those forms (`attend::SplitForm`); every other entry of that module is the portable code.
 template <int DP, int KS>
 struct AttnWg {
 #ifdef ATTN_WGMMA
@@ -127,7 +126,7 @@ struct AttnWg {
     // Threads, keys per tile, pipeline depth and the resident blocks per SM the register
     // budget is sized for (the portable AttnCfg values where !value). KS = 2: two warpgroups
     // of one block share every 64-key tile (32 keys each). Mirrored by the launcher's
-    // `attend::wgmma_threads` / `tile_keys_wgmma` / `stages_wgmma`.
+    // `SplitForm::threads` / `tile_keys` / `stages` (and `WARPGROUP_BLOCKS_PER_SM`).
     static constexpr int threads = value ? 128 * KS : ATTN_THREADS;
     static constexpr int kt = value ? 32 * KS : AttnCfg<DP>::KT;
     static constexpr int stages = value ? (KS == 2 ? 4 : 3) : AttnCfg<DP>::STAGES;
@@ -679,9 +678,9 @@ __device__ __forceinline__ void attn_split_body(
     // Key-split pairs: the second warp of a pair (WG: the second warpgroup's warp of the same
     // m-tile) hands its state to the first through shared memory (the K/V stages are free
     // now; word e of lane l at [mt][e][l], conflict-free), which combines the two.
-    if (KS == 2) {
+    if constexpr (KS == 2) {
         constexpr int XW = 4 * ND + 4;  // words per lane: m, l of two rows, the accumulators
-        static_assert(KS == 1 || 4 * 32 * XW * 4 <= 2 * STAGES * T_EL * 2, "exchange fits in the stages");
+        static_assert(4 * 32 * XW * 4 <= 2 * STAGES * T_EL * 2, "exchange fits in the stages");
         const bool second = WG ? warp >= 4 : (warp % 2) == 1;
         __syncthreads();  // every warp is done with the stages
         float* xch = reinterpret_cast<float*>(KVs) + (size_t)mt * 32 * XW + lane;

@@ -38,17 +38,10 @@ pub(crate) fn padded_head_dim(d: usize) -> usize {
         .unwrap_or(MAX_HEAD_DIM)
 }
 
-/// Keys per tile of the CUDA kernel for padded head dimension `dp` (`AttnCfg<DP>::KT`).
+/// Resident blocks per SM of the one-warpgroup split (`AttnWg<128, 1>::min_blocks`, its
+/// launch bound), which [`SplitForm::pairs_pay`] plans that form with.
 #[cfg(any(feature = "cuda", test))]
-pub(crate) fn tile_keys(dp: usize) -> usize {
-    if dp <= 128 { 32 } else { 16 }
-}
-
-/// Pipeline stages of the CUDA kernel for padded head dimension `dp` (`AttnCfg<DP>::STAGES`).
-#[cfg(any(feature = "cuda", test))]
-pub(crate) fn stages(dp: usize) -> usize {
-    if dp <= 128 { 3 } else { 2 }
-}
+const WARPGROUP_BLOCKS_PER_SM: usize = 3;
 
 /// Where [`SplitForm::pairs_pay`] stops choosing warpgroup pairs: the most 32-key tiles per
 /// split of the single-warpgroup plan (measured: pairs win at 2 to 3 tiles per split, lose at
@@ -96,7 +89,7 @@ impl SplitForm {
                 Self::Warpgroup
             };
         }
-        if rows_per_kv <= 32 && tile_keys(padded_head_dim(g.head_dim)) == 32 {
+        if rows_per_kv <= 32 && Self::WarpPairs.tile_keys(padded_head_dim(g.head_dim)) == 32 {
             Self::WarpPairs
         } else {
             Self::Warps
@@ -113,16 +106,13 @@ impl SplitForm {
     /// and a pair halves the partials. With many tiles per split the three independent
     /// warpgroups per SM of the single form keep more work in flight than one pair.
     fn pairs_pay(g: &Geometry, sm_count: usize, key_capacity: usize) -> bool {
-        let rows_per_kv = g.group().saturating_mul(g.cols);
-        let items = g
-            .rows
-            .saturating_mul(g.kv_heads)
-            .saturating_mul(rows_per_kv.div_ceil(BLOCK_QUERY_ROWS))
-            .max(1);
-        let splits = (3 * sm_count / items).clamp(1, split_count(g, key_capacity));
-        let tiles_per_split = key_capacity.div_ceil(32).div_ceil(splits);
-        rows_per_kv > 32
-            && items.saturating_mul(4) <= sm_count
+        let resident = WARPGROUP_BLOCKS_PER_SM.saturating_mul(sm_count);
+        let splits = launched_splits(g, key_capacity, resident);
+        let tiles_per_split = key_capacity
+            .div_ceil(Self::Warpgroup.tile_keys(128))
+            .div_ceil(splits);
+        g.group().saturating_mul(g.cols) > 32
+            && split_items(g).saturating_mul(4) <= sm_count
             && tiles_per_split <= PAIR_MAX_TILES_PER_SPLIT
     }
 
@@ -149,16 +139,18 @@ impl SplitForm {
     /// recompute a row's plan.
     pub(crate) fn tile_keys(self, dp: usize) -> usize {
         match self {
-            Self::Warps | Self::WarpPairs => tile_keys(dp),
+            Self::Warps | Self::WarpPairs if dp <= 128 => 32,
+            Self::Warps | Self::WarpPairs => 16,
             Self::Warpgroup => 32,
             Self::WarpgroupPairs => 64,
         }
     }
 
-    /// Pipeline stages (`AttnWg::stages`).
+    /// Pipeline stages for padded head dimension `dp` (`AttnWg::stages`).
     pub(crate) fn stages(self, dp: usize) -> usize {
         match self {
-            Self::Warps | Self::WarpPairs => stages(dp),
+            Self::Warps | Self::WarpPairs if dp <= 128 => 3,
+            Self::Warps | Self::WarpPairs => 2,
             Self::Warpgroup => 3,
             Self::WarpgroupPairs => 4,
         }
@@ -278,16 +270,27 @@ impl Geometry {
 /// device holds fewer blocks); each row then uses only as many splits as its visible key
 /// range needs.
 pub(crate) fn split_count(g: &Geometry, key_capacity: usize) -> usize {
-    let row_blocks = (g.group().saturating_mul(g.cols)).div_ceil(BLOCK_QUERY_ROWS);
-    let per_split = g
-        .rows
-        .saturating_mul(g.kv_heads)
-        .saturating_mul(row_blocks)
-        .max(1);
     key_capacity
         .div_ceil(BOUND_TILE_KEYS)
-        .min(SPLIT_FILL_BLOCKS.div_ceil(per_split))
+        .min(SPLIT_FILL_BLOCKS.div_ceil(split_items(g).max(1)))
         .clamp(1, MAX_SPLITS)
+}
+
+/// The (row, KV head, row block) items of a call, each one split's worth of blocks: rows *
+/// Hkv * ceil(G * cols / 64), saturating.
+pub(crate) fn split_items(g: &Geometry) -> usize {
+    g.rows
+        .saturating_mul(g.kv_heads)
+        .saturating_mul(g.group().saturating_mul(g.cols).div_ceil(BLOCK_QUERY_ROWS))
+}
+
+/// The split count the CUDA launcher launches on a device holding `resident` blocks of the
+/// split kernel at once: the batch's row blocks times their splits fill the device once
+/// (`resident / split_items`), at least 1 and at most [`split_count`] (what the workspace was
+/// sized for).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn launched_splits(g: &Geometry, key_capacity: usize, resident: usize) -> usize {
+    (resident / split_items(g).max(1)).clamp(1, split_count(g, key_capacity))
 }
 
 /// f32 elements of the split-KV workspace: `rows * cols * Hq * splits * (D + 2)` (the
@@ -846,6 +849,17 @@ mod tests {
             kv_heads,
             head_dim: 128,
         }
+    }
+
+    #[test]
+    fn launched_splits_fill_the_device_once_within_the_bound() {
+        // B = 1 K = 15 (8 row blocks) on 396 resident blocks: 49 splits; B = 8 (64): 6; more
+        // row blocks than resident blocks: 1; a short capacity bounds it (4112 keys -> 65).
+        assert_eq!(launched_splits(&g(1, 16, 32, 8), 4112, 396), 49);
+        assert_eq!(launched_splits(&g(8, 16, 32, 8), 4112, 396), 6);
+        assert_eq!(launched_splits(&g(8, 16, 32, 8), 4112, 40), 1);
+        assert_eq!(launched_splits(&g(1, 16, 32, 8), 300, 396), 5);
+        assert_eq!(split_items(&g(2, 16, 16, 2)), 8); // 2 rows x 2 KV heads x 2 row blocks
     }
 
     #[test]

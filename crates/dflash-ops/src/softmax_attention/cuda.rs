@@ -144,10 +144,10 @@ pub(crate) struct AttnCall<'a> {
 ///
 /// Grid of the split: (Hkv * row_blocks, rows, splits), a split-major block order (every
 /// item's split 0 first, so the blocks with work spread evenly over the SMs), with row_blocks
-/// = ceil(G * cols / 64) and splits = min(split bound, resident blocks of the device / (rows *
-/// Hkv * row_blocks)), at least 1: the batch plus its splits fill the device once, never more
-/// than the workspace was sized for. Each row then uses only the splits its visible key range
-/// needs (the others exit at once).
+/// = ceil(G * cols / 64) and splits = [`attend::launched_splits`] for the device's resident
+/// blocks of that kernel: the batch plus its splits fill the device once, never more than the
+/// workspace was sized for. Each row then uses only the splits its visible key range needs
+/// (the others exit at once).
 pub(crate) fn launch(
     c: &CudaBackend,
     modules: &AttnModules,
@@ -204,8 +204,7 @@ pub(crate) fn launch(
         });
     }
     let resident = kernel.blocks_per_sm * c.limits().sm_count;
-    let per_split = g.rows * grid_y;
-    let splits = (resident / per_split.max(1)).clamp(1, attend::split_count(g, key_capacity));
+    let splits = attend::launched_splits(g, key_capacity, resident);
     // Split-major block order (kernels/softmax_attention.cu): the items in x, the splits in z.
     let split_cfg = LaunchConfig {
         grid_dim: (grid_y as u32, g.rows as u32, splits as u32),
