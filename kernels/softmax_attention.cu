@@ -40,8 +40,7 @@
 // m64n32k16 (Q and K from shared memory) gives S, the softmax runs on the same fragments as
 // above, and 4 wgmma m64n128k16 (P hi and lo from registers, V an MN-major shared operand)
 // add P V; that group stays in flight until the next tile step's start, before the barrier
-// that frees its stage. The softmax sums keep their mma.sync (P times ones). Numbers, masks,
-// the workspace and the merge are the portable ones.
+// that frees its stage. Numbers, masks, the workspace and the merge are the portable ones.
 //
 // Workspace (f32 words; item = ((r * cols + i) * Hq + h) * splits + s):
 //   ws[2 * item] = m (the row's base: an integer in base-2 scaled units, at least the max
@@ -66,8 +65,6 @@
 #define ATTN_MIN_BLOCKS 3  // resident blocks per SM the register budget is sized for
 #define ATTN_NEG_INF __int_as_float((int)0xff800000u)  // -inf without <math.h> (NVRTC)
 #define ATTN_NO_KEY ((int)0x80000000)                  // kpos of an invalid key
-#define ATTN_ONES_F16 0x3c003c00u   // two FP16 ones (a B fragment of ones)
-#define ATTN_ONES_BF16 0x3f803f80u  // two BF16 ones
 #define ATTN_LAZY 8.0f  // a row's base is raised only when a tile's max exceeds it by more
 
 // 2^d for an integer-valued d <= 0: exact (a power of two built from its exponent bits); 0 for
@@ -215,7 +212,7 @@ __device__ __forceinline__ AttnPlan attn_plan(long long n_ctx, int L, int kt, in
 // BF16 against the block's BF16 V (hi = P rounded, lo = the rest rounded), so P keeps about
 // 22 (FP16) or 16 (BF16) bits; one FP16 term alone (11 bits) would lose more than the output
 // tolerance where the weighted values cancel. The softmax sum adds the same represented
-// weights, by the same MMAs (P times a B fragment of ones).
+// weights (hi + lo) in FP32, per thread over its keys, then over the quad of the row.
 template <int DP, int KS, typename Ctx>
 __device__ __forceinline__ void attn_split_body(
     const Ctx ctx, int F, int ctx_lo, int L, int window,
@@ -471,9 +468,10 @@ __device__ __forceinline__ void attn_split_body(
         row_ok[h2] = col_of[h2] < L;
     }
     float m_run[2] = {ATTN_NEG_INF, ATTN_NEG_INF};
-    // Softmax sums: the C fragment of P x ones (row g in ls[0], row g + 8 in ls[2]; every
-    // column holds the row's sum), accumulated by the same MMAs as P V.
-    float ls[4] = {0.f, 0.f, 0.f, 0.f};
+    // Softmax sums of rows g (ls[0]) and g + 8 (ls[1]): FP32 sums of the represented weights
+    // (hi + lo, exactly as P V sees them) of this thread's keys, until the quad's are added
+    // after the last tile.
+    float ls[2] = {0.f, 0.f};
     float o[ND][4];
 #pragma unroll
     for (int dt = 0; dt < ND; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
@@ -487,69 +485,56 @@ __device__ __forceinline__ void attn_split_body(
         df_cp_commit();  // possibly empty
     }
 
-    // One tile step: wait for tile tt, stage tile tt + STAGES - 1, then (live warps) scores,
-    // mask, online softmax and P V. It is called with a constant CTX from two loops (context
-    // tiles, then block tiles) and inlined, so each loop holds only its own P V chain (FP16
-    // against F16 V, BF16 against BF16 V); one loop over both tile kinds issued both chains
-    // under predicates.
-    // WG: the previous tile's P V group is retired before the barrier that frees its stage,
-    // and the cp.async data are made visible to the async proxy (wgmma operands) before it.
+    // The pieces of a tile step (inlined; CTX is a constant at every call, see the two loops
+    // below, so each loop holds only its own P V chain: FP16 against F16 V, BF16 against BF16
+    // V; one loop over both tile kinds issued both chains under predicates).
     // P (hi, lo) A fragments of a tile's k16 chunks; WG: the P V wgmma reads them, so they
     // stay untouched until its group retires.
     unsigned wg_a[NKW / 2][2][4];
-    auto step = [&](const int tt, const bool CTX) {
-        const int st = (tt - t0) % STAGES;
-        if (WG) df_wg_wait<0>();
-        df_cp_wait<STAGES - 2>();
-        if (WG) df_fence_proxy_async();
-        __syncthreads();  // tile tt (and Q) visible to every thread; tile tt - 1's stage is free
-        {
-            const int nt = tt + STAGES - 1;
-            if (nt < t1) load_tile(nt, (nt - t0) % STAGES);
-            df_cp_commit();
-        }
-        if (!WG && !warp_live) return;  // WG: every warp of the warpgroup issues the wgmma
-        const unsigned short* Ks = KVs + (2 * st) * T_EL;
-        const unsigned short* Vs = KVs + (2 * st + 1) * T_EL;
-        const int* kp = kpos + st * KT + kbeg;
-        const bool full = CTX && tfull[st] != 0;
-        // S = Q K^T over this warp's keys of the tile.
-        float sc[NKW][4];
+    // WG: S = Q K^T (64 x this warpgroup's KT / KS keys of stage st) in 8 k16 steps, both
+    // operands K-major swizzled tiles (k16 step kc: atom kc / 4, 32 bytes per step inside it,
+    // = df_sw128_off(0, 2 kc, rows)); issued and committed as one group, not waited for.
+    auto issue_s = [&](const int st, float (&sc)[NKW][4]) {
         if constexpr (WG) {
-            // One warpgroup: S (64 x KT) = Q (64 x 128) K^T in 8 k16 steps, both operands
-            // K-major swizzled tiles (k16 step kc: atom kc / 4, 32 bytes per step inside it,
-            // = df_sw128_off(0, 2 kc, rows)).
+            const unsigned short* Ks = KVs + (2 * st) * T_EL;
             df_wg_fence();
 #pragma unroll
             for (int kc = 0; kc < C::KC; ++kc) {
                 const unsigned qa = df_smem_u32(Qs) + (kc >> 2) * (ATTN_ROWS * 128) + (kc & 3) * 32;
-                const unsigned ka =
-                    df_smem_u32(Ks) + (kc >> 2) * (KT * 128) + kbeg * 128 + (kc & 3) * 32;
+                const unsigned ka = df_smem_u32(Ks) + (kc >> 2) * (KT * 128) + kbeg * 128 + (kc & 3) * 32;
                 df_wgmma_bf16(sc, df_wg_desc(qa, 16, 1024), df_wg_desc(ka, 16, 1024), kc > 0);
             }
             df_wg_commit();
-            df_wg_wait<0>();
-        } else {
+        }
+    };
+    // Portable: S over this warp's keys of stage st with mma.sync.
+    auto mma_s = [&](const int st, float (&sc)[NKW][4]) {
+        const unsigned short* Ks = KVs + (2 * st) * T_EL;
 #pragma unroll
-            for (int j = 0; j < NKW; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+        for (int j = 0; j < NKW; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
-            for (int kc = 0; kc < C::KC; ++kc) {
-                unsigned a0, a1, a2, a3;
-                df_ldsm_x4(df_smem_u32(Qs + (mrow0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
-                                       kc * 16 + (lane >> 4) * 8),
-                           a0, a1, a2, a3);
+        for (int kc = 0; kc < C::KC; ++kc) {
+            unsigned a0, a1, a2, a3;
+            df_ldsm_x4(df_smem_u32(Qs + (mrow0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + kc * 16 +
+                                   (lane >> 4) * 8),
+                       a0, a1, a2, a3);
 #pragma unroll
-                for (int np = 0; np < NKW / 2; ++np) {
-                    unsigned b0, b1, b2, b3;
-                    df_ldsm_x4(df_smem_u32(Ks + (kbeg + np * 16 + (lane & 7) + (lane >> 4) * 8) * LD +
-                                           kc * 16 + ((lane >> 3) & 1) * 8),
-                               b0, b1, b2, b3);
-                    df_mma_bf16(sc[2 * np], a0, a1, a2, a3, b0, b1);
-                    df_mma_bf16(sc[2 * np + 1], a0, a1, a2, a3, b2, b3);
-                }
+            for (int np = 0; np < NKW / 2; ++np) {
+                unsigned b0, b1, b2, b3;
+                df_ldsm_x4(df_smem_u32(Ks + (kbeg + np * 16 + (lane & 7) + (lane >> 4) * 8) * LD +
+                                       kc * 16 + ((lane >> 3) & 1) * 8),
+                           b0, b1, b2, b3);
+                df_mma_bf16(sc[2 * np], a0, a1, a2, a3, b0, b1);
+                df_mma_bf16(sc[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        // Mask (edge tiles only), online softmax (per thread: rows g, g + 8; a quad shares a row).
+    };
+    // Mask (edge tiles only) and online softmax of the scores sc of stage st (per thread:
+    // rows g, g + 8; a quad shares a row): the new base per row, the sums and accumulators
+    // rescaled to it, and sc := the weights 2^(score - base).
+    auto softmax = [&](const int st, const bool CTX, float (&sc)[NKW][4]) {
+        const int* kp = kpos + st * KT + kbeg;
+        const bool full = CTX && tfull[st] != 0;
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
             float mx = ATTN_NEG_INF;
@@ -583,8 +568,7 @@ __device__ __forceinline__ void attn_split_body(
                 // key yet 0 (their sums are exact zeros, so a warp whose rows all saw none skips
                 // the rescale: a split's first tile).
                 const float corr = attn_scale(m_run[h2], m_new);
-                ls[2 * h2] *= corr;
-                ls[2 * h2 + 1] *= corr;
+                ls[h2] *= corr;
 #pragma unroll
                 for (int dt = 0; dt < ND; ++dt) {
                     o[dt][2 * h2] *= corr;
@@ -599,7 +583,12 @@ __device__ __forceinline__ void attn_split_body(
                 sc[j][2 * h2 + 1] = attn_exp2(fmaf(sc[j][2 * h2 + 1], sl2, -base));
             }
         }
-        // O += P V over this warp's keys.
+    };
+    // P of the weights sc as two terms hi + lo of V's type (wg_a), their represented sum added
+    // to the row sums (each thread its own keys: the quad's sums are added after the last
+    // tile), and (portable) O += P V with mma.sync over this warp's keys of stage st.
+    auto pv = [&](const int st, const bool CTX, const float (&sc)[NKW][4]) {
+        const unsigned short* Vs = KVs + (2 * st + 1) * T_EL;
 #pragma unroll
         for (int kc2 = 0; kc2 < NKW / 2; ++kc2) {
             unsigned(&ah)[4] = wg_a[kc2][0];
@@ -614,24 +603,21 @@ __device__ __forceinline__ void attn_split_body(
                     const __half2 ph = __floats2half2_rn(p0, p1);
                     const float2 hf = __half22float2(ph);
                     const __half2 pl = __floats2half2_rn(p0 - hf.x, p1 - hf.y);
+                    const float2 lf = __half22float2(pl);
                     ah[u] = *reinterpret_cast<const unsigned*>(&ph);
                     al[u] = *reinterpret_cast<const unsigned*>(&pl);
+                    ls[h2] += (hf.x + lf.x) + (hf.y + lf.y);
                 } else {
                     const __nv_bfloat16 h0 = __float2bfloat16_rn(p0), h1 = __float2bfloat16_rn(p1);
                     const __nv_bfloat16 q0 = __float2bfloat16_rn(p0 - __bfloat162float(h0));
                     const __nv_bfloat16 q1 = __float2bfloat16_rn(p1 - __bfloat162float(h1));
                     ah[u] = df_pack_bf16(h0, h1);
                     al[u] = df_pack_bf16(q0, q1);
+                    ls[h2] += (__bfloat162float(h0) + __bfloat162float(q0)) +
+                                  (__bfloat162float(h1) + __bfloat162float(q1));
                 }
             }
-            if (CTX) {
-                df_mma_f16(ls, ah[0], ah[1], ah[2], ah[3], ATTN_ONES_F16, ATTN_ONES_F16);
-                df_mma_f16(ls, al[0], al[1], al[2], al[3], ATTN_ONES_F16, ATTN_ONES_F16);
-            } else {
-                df_mma_bf16(ls, ah[0], ah[1], ah[2], ah[3], ATTN_ONES_BF16, ATTN_ONES_BF16);
-                df_mma_bf16(ls, al[0], al[1], al[2], al[3], ATTN_ONES_BF16, ATTN_ONES_BF16);
-            }
-            if (WG) continue;  // P V below, one wgmma chain over the whole tile
+            if (WG) continue;  // P V: one wgmma chain over the whole tile (issue_pv)
 #pragma unroll
             for (int dp = 0; dp < ND / 2; ++dp) {
                 unsigned b0, b1, b2, b3;
@@ -651,15 +637,17 @@ __device__ __forceinline__ void attn_split_body(
                 }
             }
         }
+    };
+    // WG: O (64 x 128) += P V from wg_a: V an MN-major swizzled tile; k16 step kc2 starts at
+    // key row 16 kc2, and its two 64-column atoms are KT * 128 bytes apart (the leading byte
+    // offset). Committed as one group, not waited for.
+    auto issue_pv = [&](const int st, const bool CTX) {
         if constexpr (WG) {
-            // O (64 x 128) += P V: V an MN-major swizzled tile; k16 step kc2 starts at key
-            // row 16 kc2, and its two 64-column atoms are KT * 128 bytes apart (the leading
-            // byte offset). Retired at the next step's start (or after the loop).
+            const unsigned short* Vs = KVs + (2 * st + 1) * T_EL;
             df_wg_fence();
 #pragma unroll
             for (int kc2 = 0; kc2 < NKW / 2; ++kc2) {
-                const u64 vd =
-                    df_wg_desc(df_smem_u32(Vs) + (kbeg + kc2 * 16) * 128, KT * 128, 1024);
+                const u64 vd = df_wg_desc(df_smem_u32(Vs) + (kbeg + kc2 * 16) * 128, KT * 128, 1024);
 #pragma unroll
                 for (int part = 0; part < 2; ++part) {
                     if (CTX) df_wgmma_rs_f16_nt(o, wg_a[kc2][part], vd, 1);
@@ -669,11 +657,50 @@ __device__ __forceinline__ void attn_split_body(
             df_wg_commit();
         }
     };
+    // Stage tile tt + STAGES - 1 (if any) into the stage of tile tt - 1; always one commit
+    // group, so that the wait counts below hold.
+    auto stage_ahead = [&](const int tt) {
+        const int nt = tt + STAGES - 1;
+        if (nt < t1) load_tile(nt, (nt - t0) % STAGES);
+        df_cp_commit();
+    };
+
     int tt = t0;
-    for (const int tc = min(t1, plan.t_ctx); tt < tc; ++tt) step(tt, true);
+    const int tc = min(t1, plan.t_ctx);
+    // One tile step: wait for tile tt, stage tile tt + STAGES - 1, then (live warps)
+    // scores, mask, online softmax and P V. WG: the previous tile's P V group is retired
+    // before the barrier that frees its stage, and the cp.async data are made visible to
+    // the async proxy (wgmma operands) before it; this tile's group stays in flight until
+    // the next step's start.
+    auto step = [&](const int tt, const bool CTX) {
+        const int st = (tt - t0) % STAGES;
+        if (WG) df_wg_wait<0>();
+        df_cp_wait<STAGES - 2>();
+        if (WG) df_fence_proxy_async();
+        __syncthreads();  // tile tt (and Q) visible to every thread; tile tt - 1's stage is free
+        stage_ahead(tt);
+        if (!WG && !warp_live) return;  // WG: every warp of the warpgroup issues the wgmma
+        float sc[NKW][4];
+        if constexpr (WG) {
+            issue_s(st, sc);
+            df_wg_wait<0>();
+        } else {
+            mma_s(st, sc);
+        }
+        softmax(st, CTX, sc);
+        pv(st, CTX, sc);
+        if constexpr (WG) issue_pv(st, CTX);
+    };
+    for (; tt < tc; ++tt) step(tt, true);
     for (; tt < t1; ++tt) step(tt, false);
     if (WG) df_wg_wait<0>();
     df_cp_wait<0>();
+    // Row sums: each thread's sums of its keys, added over the quad that shares the row.
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+        ls[h2] += __shfl_xor_sync(0xffffffffu, ls[h2], 1);
+        ls[h2] += __shfl_xor_sync(0xffffffffu, ls[h2], 2);
+    }
 
     // Key-split pairs: the second warp of a pair (WG: the second warpgroup's warp of the same
     // m-tile) hands its state to the first through shared memory (the K/V stages are free
@@ -688,7 +715,7 @@ __device__ __forceinline__ void attn_split_body(
             xch[0] = m_run[0];
             xch[32] = m_run[1];
             xch[64] = ls[0];
-            xch[96] = ls[2];
+            xch[96] = ls[1];
 #pragma unroll
             for (int dt = 0; dt < ND; ++dt)
 #pragma unroll
@@ -704,7 +731,7 @@ __device__ __forceinline__ void attn_split_body(
                 const float a0 = attn_scale(m_run[h2], M);
                 const float a1 = attn_scale(m1, M);
                 m_run[h2] = M;
-                ls[2 * h2] = ls[2 * h2] * a0 + xch[32 * (2 + h2)] * a1;
+                ls[h2] = ls[h2] * a0 + xch[32 * (2 + h2)] * a1;
 #pragma unroll
                 for (int dt = 0; dt < ND; ++dt) {
                     o[dt][2 * h2] = o[dt][2 * h2] * a0 + xch[32 * (4 + 4 * dt + 2 * h2)] * a1;
@@ -719,7 +746,7 @@ __device__ __forceinline__ void attn_split_body(
     if (!warp_live) return;
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
-        const float l = ls[2 * h2];
+        const float l = ls[h2];
         if (!row_ok[h2]) continue;
         const int gm = row0 + mrow0 + g + 8 * h2;
         const int i = col_of[h2], h = kvh * group + (gm - i * group);
