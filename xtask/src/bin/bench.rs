@@ -9,8 +9,8 @@
 //! backend to the portable kernel variants (no sm_90a variants of the heads and attention), for
 //! comparison.
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
-//! `dflash-bench --profile dflash|dflash2`: one eager draft block (B=1, K=7, 2048 context)
-//! after a warm-up, for Nsight Compute (`ncu --clock-control none ...`).
+//! `dflash-bench --profile dflash|dflash2 [--shape B,K,CTX]`: two eager draft blocks (default
+//! B=1, K=7, 2048 context) after a warm-up, for Nsight Compute (`ncu --clock-control none ...`).
 //!
 //! Rows:
 //! - `sliding_window_attention`, `softmax_attention`: one call of the op over B requests of
@@ -593,7 +593,7 @@ fn bench_block(
     })
 }
 
-fn profile(cuda: &CudaBackend, which: &str) -> Result<()> {
+fn profile(cuda: &CudaBackend, which: &str, shape: Option<(usize, usize, usize)>) -> Result<()> {
     let be = Backend::Cuda(cuda.clone());
     let backend = match which {
         "dflash" => DraftBackend::DFlash,
@@ -601,13 +601,14 @@ fn profile(cuda: &CudaBackend, which: &str) -> Result<()> {
         other => bail!("--profile takes dflash or dflash2, not `{other}`"),
     };
     let s = setup(&be, backend)?;
-    let (store, mut ws, _reqs) = block_state(&be, &s, 1, 7, 2048)?;
+    let (b, k, ctx) = shape.unwrap_or((1, 7, 2048));
+    let (store, mut ws, _reqs) = block_state(&be, &s, b, k, ctx)?;
     let tp = target_parts(&s);
     for _ in 0..2 {
         s.model.run_block(&store, &tp, &mut ws)?;
     }
     cuda.synchronize()?;
-    eprintln!("profiled 2 blocks of {which} (B=1, K=7, context 2048)");
+    eprintln!("profiled 2 blocks of {which} (B={b}, K={k}, context {ctx})");
     Ok(())
 }
 
@@ -693,9 +694,6 @@ fn main() -> Result<()> {
         },
     };
     let cuda = CudaBackend::with_options(0, options).context("opening CUDA device 0")?;
-    if let Some(which) = value("--profile")? {
-        return profile(&cuda, &which);
-    }
     let out = value("--out")?;
     let commit = value("--commit")?.unwrap_or_else(|| "unknown".into());
     let only = value("--only")?;
@@ -718,6 +716,9 @@ fn main() -> Result<()> {
             }
         }
     };
+    if let Some(which) = value("--profile")? {
+        return profile(&cuda, &which, shape);
+    }
     let listed: &[(usize, usize, usize)] = if quick {
         &[(1, 7, 2048), (8, 15, 4096)]
     } else {
