@@ -48,9 +48,10 @@
 //!   setmaxnreg) streams the chunks through 5 stages (4 for the top-16), each announced full
 //!   and handed back by mbarriers, with a ticket per stage naming the chunk it holds; two
 //!   consumer warpgroups take the tiles in turn, each running two m64nNk16 wgmma chains per
-//!   tile (N = 8 to 128 columns) from 128-byte swizzled shared memory, so one runs its
-//!   epilogue while the other consumes the stream. `KernelVariants::Portable` forces the
-//!   first.
+//!   tile (N = 8 to 128 columns) from 128-byte swizzled shared memory and handing each
+//!   stage back as soon as its chunk's wgmma group has completed (before waiting for the
+//!   next), so one runs its epilogue while the other consumes the stream.
+//!   `KernelVariants::Portable` forces the first.
 //!
 //! After each tile the warpgroup folds the tile's logits into its running best per column in
 //! shared memory (warp shuffles, then the four warps); at the end it writes one (value, id)

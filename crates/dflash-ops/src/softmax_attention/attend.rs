@@ -618,8 +618,9 @@ fn scale(m: f32, base: f32) -> f32 {
 /// sum over the represented terms, the workspace layout
 /// (poisoned with NaN so reading an unwritten partial shows) and the merge, which recomputes
 /// the plan as the kernel's does. Only summation orders differ from the device: inside a tile
-/// (the MMA's) and in the merge (the device adds the softmax sums by shuffles, and
-/// `_merge_s64` adds four warps' partial numerators).
+/// (the MMA's), in the softmax sums (the device adds each thread's keys over the tiles, then
+/// the four threads of a row) and in the merge (the device adds the softmax sums by
+/// shuffles, and `_merge_s64` adds four warps' partial numerators).
 /// `row_ctx(r)` gives the kernel's (F, ctx_lo) of row r, `slot(r, p)` the flat slot or -1;
 /// `window` 0 = none.
 #[cfg(test)]

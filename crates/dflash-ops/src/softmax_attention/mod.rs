@@ -73,7 +73,8 @@
 //!   P V), never both under predicates. P is two
 //!   terms hi + lo of the type of the V it multiplies (FP16 against the context's F16 V, BF16
 //!   against the block's BF16 V: one FP16 term, 11 bits, loses more than the tolerance where
-//!   the weighted values cancel); the softmax sum adds the same represented weights.
+//!   the weighted values cancel); the softmax sum adds the same represented weights (FP32,
+//!   each thread over its keys of every tile, then the four threads of a row).
 //! - Merge: each active split writes FP32 partials (max, sum, accumulator); the merge
 //!   recomputes the row's split plan from the same metadata, reads every (max, sum) and every
 //!   accumulator chunk of an item's active splits in one round trip per 128 elements of the
