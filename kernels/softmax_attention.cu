@@ -98,7 +98,7 @@ __device__ __forceinline__ float attn_exp2(float x) {
 }
 
 // Tile geometry for a padded head dimension DP (a multiple of 16, >= head_dim). Mirrored by
-// `attend::tile_keys` / `attend::smem_bytes` in the launcher.
+// `SplitForm::tile_keys` / `SplitForm::smem_bytes` in the launcher.
 template <int DP>
 struct AttnCfg {
     static constexpr int KT = DP <= 128 ? 32 : 16;     // keys per tile
@@ -123,7 +123,7 @@ struct AttnWg {
     // Threads, keys per tile, pipeline depth and the resident blocks per SM the register
     // budget is sized for (the portable AttnCfg values where !value). KS = 2: two warpgroups
     // of one block share every 64-key tile (32 keys each). Mirrored by the launcher's
-    // `SplitForm::threads` / `tile_keys` / `stages` (and `WARPGROUP_BLOCKS_PER_SM`).
+    // `SplitForm::threads` / `tile_geometry` (and `WARPGROUP_BLOCKS_PER_SM`).
     static constexpr int threads = value ? 128 * KS : ATTN_THREADS;
     static constexpr int kt = value ? 32 * KS : AttnCfg<DP>::KT;
     static constexpr int stages = value ? (KS == 2 ? 4 : 3) : AttnCfg<DP>::STAGES;
@@ -614,26 +614,27 @@ __device__ __forceinline__ void attn_split_body(
                     ah[u] = df_pack_bf16(h0, h1);
                     al[u] = df_pack_bf16(q0, q1);
                     ls[h2] += (__bfloat162float(h0) + __bfloat162float(q0)) +
-                                  (__bfloat162float(h1) + __bfloat162float(q1));
+                              (__bfloat162float(h1) + __bfloat162float(q1));
                 }
             }
-            if (WG) continue;  // P V: one wgmma chain over the whole tile (issue_pv)
+            if constexpr (!WG) {  // WG: P V is one wgmma chain over the whole tile (issue_pv)
 #pragma unroll
-            for (int dp = 0; dp < ND / 2; ++dp) {
-                unsigned b0, b1, b2, b3;
-                df_ldsm_x4_trans(df_smem_u32(Vs + (kbeg + kc2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
-                                             dp * 16 + (lane >> 4) * 8),
-                                 b0, b1, b2, b3);
-                if (CTX) {
-                    df_mma_f16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
-                    df_mma_f16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
-                    df_mma_f16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
-                    df_mma_f16(o[2 * dp + 1], al[0], al[1], al[2], al[3], b2, b3);
-                } else {
-                    df_mma_bf16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
-                    df_mma_bf16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
-                    df_mma_bf16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
-                    df_mma_bf16(o[2 * dp + 1], al[0], al[1], al[2], al[3], b2, b3);
+                for (int dp = 0; dp < ND / 2; ++dp) {
+                    unsigned b0, b1, b2, b3;
+                    df_ldsm_x4_trans(df_smem_u32(Vs + (kbeg + kc2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                                 dp * 16 + (lane >> 4) * 8),
+                                     b0, b1, b2, b3);
+                    if (CTX) {
+                        df_mma_f16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
+                        df_mma_f16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                        df_mma_f16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
+                        df_mma_f16(o[2 * dp + 1], al[0], al[1], al[2], al[3], b2, b3);
+                    } else {
+                        df_mma_bf16(o[2 * dp], ah[0], ah[1], ah[2], ah[3], b0, b1);
+                        df_mma_bf16(o[2 * dp + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                        df_mma_bf16(o[2 * dp], al[0], al[1], al[2], al[3], b0, b1);
+                        df_mma_bf16(o[2 * dp + 1], al[0], al[1], al[2], al[3], b2, b3);
+                    }
                 }
             }
         }
@@ -657,13 +658,6 @@ __device__ __forceinline__ void attn_split_body(
             df_wg_commit();
         }
     };
-    // Stage tile tt + STAGES - 1 (if any) into the stage of tile tt - 1; always one commit
-    // group, so that the wait counts below hold.
-    auto stage_ahead = [&](const int tt) {
-        const int nt = tt + STAGES - 1;
-        if (nt < t1) load_tile(nt, (nt - t0) % STAGES);
-        df_cp_commit();
-    };
 
     int tt = t0;
     const int tc = min(t1, plan.t_ctx);
@@ -678,7 +672,11 @@ __device__ __forceinline__ void attn_split_body(
         df_cp_wait<STAGES - 2>();
         if (WG) df_fence_proxy_async();
         __syncthreads();  // tile tt (and Q) visible to every thread; tile tt - 1's stage is free
-        stage_ahead(tt);
+        {
+            const int nt = tt + STAGES - 1;  // into the stage of tile tt - 1
+            if (nt < t1) load_tile(nt, (nt - t0) % STAGES);
+            df_cp_commit();  // possibly empty: one group per step keeps the wait count
+        }
         if (!WG && !warp_live) return;  // WG: every warp of the warpgroup issues the wgmma
         float sc[NKW][4];
         if constexpr (WG) {

@@ -135,25 +135,21 @@ impl SplitForm {
         }
     }
 
-    /// Keys per tile for padded head dimension `dp` (`AttnWg::kt`): what the merge needs to
-    /// recompute a row's plan.
-    pub(crate) fn tile_keys(self, dp: usize) -> usize {
+    /// Keys per tile and pipeline stages for padded head dimension `dp` (`AttnWg::kt`,
+    /// `AttnWg::stages`).
+    fn tile_geometry(self, dp: usize) -> (usize, usize) {
         match self {
-            Self::Warps | Self::WarpPairs if dp <= 128 => 32,
-            Self::Warps | Self::WarpPairs => 16,
-            Self::Warpgroup => 32,
-            Self::WarpgroupPairs => 64,
+            Self::Warps | Self::WarpPairs if dp <= 128 => (32, 3),
+            Self::Warps | Self::WarpPairs => (16, 2),
+            Self::Warpgroup => (32, 3),
+            Self::WarpgroupPairs => (64, 4),
         }
     }
 
-    /// Pipeline stages for padded head dimension `dp` (`AttnWg::stages`).
-    pub(crate) fn stages(self, dp: usize) -> usize {
-        match self {
-            Self::Warps | Self::WarpPairs if dp <= 128 => 3,
-            Self::Warps | Self::WarpPairs => 2,
-            Self::Warpgroup => 3,
-            Self::WarpgroupPairs => 4,
-        }
+    /// Keys per tile for padded head dimension `dp` (`AttnWg::kt`): what the merge needs to
+    /// recompute a row's plan.
+    pub(crate) fn tile_keys(self, dp: usize) -> usize {
+        self.tile_geometry(dp).0
     }
 
     /// Dynamic shared memory of the split kernel for padded head dimension `dp`. Portable:
@@ -161,7 +157,7 @@ impl SplitForm {
     /// one full-tile flag per stage. Warpgroup forms (dp = 128): 1024 bytes of slack for the
     /// 1024-byte-aligned swizzled tiles, then the same without padding.
     pub(crate) fn smem_bytes(self, dp: usize) -> usize {
-        let (kt, st) = (self.tile_keys(dp), self.stages(dp));
+        let (kt, st) = self.tile_geometry(dp);
         let (slack, ld) = if self.sm90a() {
             (1024, dp)
         } else {
