@@ -44,6 +44,7 @@ __device__ __forceinline__ void sliding_window_attention_split_entry(
     const __nv_bfloat16* ring_k, const __half* ring_v, const int* lanes, const int* start_pos,
     const int* live, float* ws, int rows, int cols, int q_heads, int kv_heads, int head_dim,
     int n_lanes, int window, int splits, int row_blocks) {
+    attn_split_start();
     const int s = blockIdx.z;  // split-major block order, as the full layer's
     const int kvh = blockIdx.x / row_blocks, rb = blockIdx.x % row_blocks;
     const int r = blockIdx.y;

@@ -52,13 +52,17 @@
 // the row's plan from the same metadata (attn_plan on the row's extent), combines the active
 // splits with exact power-of-two factors and writes +0.0 for dead columns.
 //
-// Launch. The merge is a programmatic dependent launch of the split where the device has it
-// (sm_90 and later, see df_pdl_wait; CudaBackend::launch_dependent): every split block allows
-// it at once, so the merge's blocks can become resident, and read their row's metadata and
-// compute its plan, while the split still runs (as far as the SMs have room: the rest start
-// as split blocks finish; that metadata is never written by the split, and the split, an
-// ordinary launch, started after its writers had finished); each then waits for the split's
-// completion before it reads a partial or writes the output.
+// Launch. Where the device has programmatic dependent launch (sm_90 and later, see
+// df_pdl_wait; CudaBackend::launch_dependent) both kernels are dependent launches. The split
+// is one of whatever kernel precedes it in the stream: its blocks can become resident while
+// that kernel finishes, and each first waits for it (attn_split_start) and then lets the
+// merge start. The merge is one of the split: its blocks can become resident, and read their
+// row's metadata and compute its plan, while the split still runs (as far as the SMs have
+// room: the rest start as split blocks finish; that metadata is never written by the split,
+// and its writers had finished before any split block let the merge start); each merge block
+// lets the next kernel start at once (a dependent launch, such as the next call's split,
+// waits before it reads anything) and then waits for the split's completion before it reads a
+// partial or writes the output.
 
 #define ATTN_THREADS 128  // threads of a portable split block (AttnWg::threads)
 #define ATTN_ROWS 64
@@ -241,9 +245,6 @@ __device__ __forceinline__ void attn_split_body(
     int* kpos = reinterpret_cast<int*>(KVs + 2 * STAGES * T_EL);      // [STAGES][KT]
     int* tfull = kpos + STAGES * KT;                                   // [STAGES]
 
-    // The merge may start now (a dependent launch; it waits for this kernel's completion
-    // before it reads a partial).
-    df_pdl_launch_dependents();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, qd = lane & 3;
     const int group = q_heads / kv_heads;
@@ -791,8 +792,10 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, in
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wi = warp % WPI;  // this warp's share of its item
     const int h = blockIdx.x * (ATTN_MERGE_WARPS / WPI) + warp / WPI, i = blockIdx.y, r = blockIdx.z;
-    // Every warp waits (also a dead column's): the merge then completes after the split, so
-    // work queued after the op sees both finished.
+    // A dependent launch queued next (the next call's split) may start now: it waits for this
+    // merge before it reads anything. Every warp then waits (also a dead column's): the merge
+    // completes after the split, so work queued after the op sees both finished.
+    df_pdl_launch_dependents();
     df_pdl_wait();
     if (h >= q_heads) return;  // WPI = 1: the last block's spare warps (no barrier follows)
     __nv_bfloat16* o = out + (((long long)r * cols + i) * q_heads + h) * head_dim;
@@ -916,6 +919,15 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, in
 
 // Full-layer entry: grid (kv_heads * row_blocks, rows, splits), AttnWg<DP, KS>::threads
 // threads, dynamic shared memory SplitForm::smem_bytes (crates/dflash-ops, attend.rs).
+// First statement of every split entry (a programmatic dependent launch on sm_90+, see
+// Launch above): wait until the kernel ahead in the stream has finished and its writes are
+// visible (it may have written q, the block K / V, the context or the row metadata), then let
+// the merge start (so the merge's pre-wait metadata reads also follow that kernel).
+__device__ __forceinline__ void attn_split_start() {
+    df_pdl_wait();
+    df_pdl_launch_dependents();
+}
+
 template <int DP, int KS>
 __device__ __forceinline__ void softmax_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,
@@ -923,6 +935,7 @@ __device__ __forceinline__ void softmax_attention_split_entry(
     const int* start_pos, const int* live, float* ws, int rows, int cols, int q_heads,
     int kv_heads, int head_dim, int pages, int page_size, int max_pages, int splits,
     int row_blocks) {
+    attn_split_start();
     const int s = blockIdx.z;  // split-major block order (see above)
     const int kvh = blockIdx.x / row_blocks, rb = blockIdx.x % row_blocks;
     const int r = blockIdx.y;

@@ -14,8 +14,8 @@
 //! device of compute capability 9.0 unless [`CudaOptions::kernels`] asks for
 //! [`KernelVariants::Portable`]; both variants keep the same contract and pass the same
 //! conformance cases. On compute capability 9.0 and later the ops of
-//! [`DEPENDENT_LAUNCH_OPS`] also launch their second kernel as a programmatic dependent of
-//! the first (not under [`KernelVariants::Portable`]).
+//! [`DEPENDENT_LAUNCH_OPS`] also launch their kernels as programmatic dependents of the
+//! kernel queued before each (not under [`KernelVariants::Portable`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -70,8 +70,9 @@ pub const ARCH_SPECIFIC_OPS: [&str; 4] = [
     crate::sliding_window_attention::OP,
 ];
 
-/// Ops that launch a kernel as a programmatic dependent of the one before it on compute
-/// capability 9.0 and later (`CudaBackend::launch_dependent`: the attention merges), unless
+/// Ops that launch their kernels as programmatic dependents of the kernel queued before each
+/// on compute capability 9.0 and later (`CudaBackend::launch_dependent`: the attention split,
+/// whose blocks wait for the kernel ahead before anything else, and its merge), unless
 /// [`KernelVariants::Portable`].
 pub const DEPENDENT_LAUNCH_OPS: [&str; 2] = [
     crate::softmax_attention::OP,
@@ -456,9 +457,9 @@ impl CudaBackend {
         self.inner.sm90a
     }
 
-    /// Whether the ops of [`DEPENDENT_LAUNCH_OPS`] launch their second kernel as a programmatic
-    /// dependent of the first (compute capability 9.0 and later, [`KernelVariants::Auto`]);
-    /// otherwise every kernel is an ordinary launch.
+    /// Whether the ops of [`DEPENDENT_LAUNCH_OPS`] launch their kernels as programmatic
+    /// dependents of the kernel queued before each (compute capability 9.0 and later,
+    /// [`KernelVariants::Auto`]); otherwise every kernel is an ordinary launch.
     pub fn uses_dependent_launch(&self) -> bool {
         self.inner.dependent_launch
     }

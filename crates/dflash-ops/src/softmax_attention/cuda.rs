@@ -4,12 +4,12 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use half::{bf16, f16};
 
 use super::attend::{self, Geometry};
 use super::{FullAttentionParams, OP};
-use crate::cuda::{CudaBackend, RawArg, SM90A, cuda_err};
+use crate::cuda::{CudaBackend, RawArg, SM90A};
 use crate::{Buffer, OpsError, Result};
 
 /// Source of the full layer's kernels and of the shared device bodies.
@@ -249,34 +249,35 @@ pub(crate) fn launch(
             vec![*n_lanes as i32, *window as i32],
         ),
     };
-    {
-        let mut b = c.stream().launch_builder(&kernel.func);
-        b.arg(t.q.device(op, "q")?);
-        b.arg(t.k_blk.device(op, "k_blk")?);
-        b.arg(t.v_blk.device(op, "v_blk")?);
-        b.arg(ctx_k);
-        b.arg(ctx_v);
-        b.arg(map);
-        b.arg(t.start_pos.device(op, "start_pos")?);
-        b.arg(t.live.device(op, "live")?);
-        b.arg(workspace.device_mut(op, "workspace")?);
-        b.arg(&rows);
-        b.arg(&cols);
-        b.arg(&hq);
-        b.arg(&hkv);
-        b.arg(&d);
-        for v in &scalars {
-            b.arg(v);
-        }
-        b.arg(&sp);
-        b.arg(&rb);
-        // SAFETY: argument types and order match the `{op}_split_d{DP}[_ks2]` entry points (paged:
-        // pages, page_size, max_pages; ring: n_lanes, window); every length was checked by
-        // `run` (workspace >= workspace_len, whose split bound covers `splits`); the kernel
-        // clamps device metadata so it stays in bounds.
-        unsafe { b.launch(split_cfg) }.map_err(cuda_err(format!("launching {name}")))?;
-    }
     let stream = c.stream();
+    {
+        let (q_p, _q) = t.q.device(op, "q")?.device_ptr(stream);
+        let (kb_p, _kb) = t.k_blk.device(op, "k_blk")?.device_ptr(stream);
+        let (vb_p, _vb) = t.v_blk.device(op, "v_blk")?.device_ptr(stream);
+        let (ck_p, _ck) = ctx_k.device_ptr(stream);
+        let (cv_p, _cv) = ctx_v.device_ptr(stream);
+        let (map_p, _map) = map.device_ptr(stream);
+        let (start_p, _start) = t.start_pos.device(op, "start_pos")?.device_ptr(stream);
+        let (live_p, _live) = t.live.device(op, "live")?.device_ptr(stream);
+        let (ws_p, _ws) = workspace
+            .device_mut(op, "workspace")?
+            .device_ptr_mut(stream);
+        let mut split_args: Vec<RawArg> =
+            [q_p, kb_p, vb_p, ck_p, cv_p, map_p, start_p, live_p, ws_p]
+                .map(RawArg::Ptr)
+                .into_iter()
+                .chain([rows, cols, hq, hkv, d].map(RawArg::I32))
+                .chain(scalars.iter().copied().map(RawArg::I32))
+                .chain([sp, rb].map(RawArg::I32))
+                .collect();
+        // SAFETY: `split_args` matches the `{op}_split_d{DP}[_ks2]` entry points in order and
+        // type (paged: pages, page_size, max_pages; ring: n_lanes, window); every length was
+        // checked by `run` (workspace >= workspace_len, whose split bound covers `splits`);
+        // the kernel clamps device metadata so it stays in bounds; the pointers' guards live
+        // to the end of this block. Every split block calls df_pdl_wait before it reads
+        // anything (its first statement), so the kernel ahead has finished by then.
+        unsafe { c.launch_dependent(&kernel.func, split_cfg, &mut split_args, name) }?;
+    }
     let (ws_p, _ws) = workspace.device(op, "workspace")?.device_ptr(stream);
     let (start_p, _start) = t.start_pos.device(op, "start_pos")?.device_ptr(stream);
     let (live_p, _live) = t.live.device(op, "live")?.device_ptr(stream);
@@ -323,7 +324,8 @@ pub(crate) fn launch(
     // lengths were checked by `run` (out = rows*cols*Hq*D, start_pos = live = lanes = rows,
     // workspace >= workspace_len); the pointers' guards live to the end of this function.
     // Before df_pdl_wait the merge reads only row metadata, which the split never writes and
-    // whose writers finished before the split (an ordinary launch) started; every block waits.
+    // whose writers finished before the split let the merge start (each split block triggers
+    // only after its own df_pdl_wait); every block waits.
     unsafe { c.launch_dependent(&merge, merge_cfg, &mut merge_args, merge_name) }
 }
 
