@@ -5,35 +5,34 @@
 // The launcher compiles kernels/proposal_argmax.cu (the head GEMM driver ph_run, the row ids,
 // the partial layout) first and this file after it; only the epilogue and the merge differ.
 //
-// Epilogue. Each consumer warpgroup keeps, per column, its running top-16 (sorted, best first)
-// in shared memory; the 16th entry is the column's threshold. A column's 128 logits of a tile
-// are held by 32 threads ("holders": the lanes of its quad position in each of the 4 warps), 4
-// each; holder h = 8 * warp + lane / 4 owns slot h of the column's candidate buffer. After a
-// tile, passes run until no holder has an unappended logit that beats its column's threshold
-// (in the total order; NaN ranks as -inf, and is stored as -inf):
-// - every holder reads the thresholds of all its 2 NT columns at once. A warp skips a
-//   slot where none of its lanes has a not-yet-appended logit at or above the threshold (one
-//   vote: the steady state, and the repeat passes); otherwise every lane, with no branch,
-//   finds its best not-yet-appended logit that beats the threshold, writes it to its
-//   candidate slot, marks it appended and asks for another pass if a second one beats the
-//   threshold too, and a ballot gives the column's occupancy byte of this warp (which of its
-//   holders wrote; the column's merging thread clears the occupancy after reading it). The
-//   threshold's id is read only where a logit equals its value (ties: zero or duplicate head
-//   rows);
+// Epilogue. Each block keeps, per column, its running top-16 (sorted, best first) in shared
+// memory; the 16th entry is the column's threshold. A column's 128 logits of a tile are held
+// by 32 threads ("holders": the lanes of its quad position in each of the 4 warps), 4 each.
+// After a tile, passes run until no holder has an unappended logit that beats its column's
+// threshold (in the total order):
+// - a holder first skips the column when the max of its 4 logits is below a threshold that
+//   is not -inf (one compare: the steady state), or equals it while none of its ids is below
+//   the threshold's (ties: zero or duplicate head rows);
+// - while the column's list still has empty entries (threshold -inf: a block's first tile),
+//   it appends only its best not-yet-appended logit that beats the threshold and asks for
+//   another pass if a second one beats it too, so such a pass appends the best ones first
+//   and at most 32 (one per holder);
+// - once the list is full, it appends every not-yet-appended logit that beats the threshold
+//   at once: one shared-memory atomic reserves their consecutive slots of the column's
+//   candidate buffer; those whose slot is past its UT_CAP entries stay unappended and ask for
+//   another pass. In the steady state one pass takes a tile's few winners;
 // - the candidates are merged into the list: for 64 columns and more by the column's own
-//   thread (the list in registers, one compare-and-shift insertion per occupied slot: all
+//   thread (the list in registers, one compare-and-shift insertion per candidate: all
 //   columns at once, no shuffles); for fewer columns by one warp per column, by rank (an
 //   element's new position is the number of elements of the union that beat it: per
 //   candidate one broadcast, compares and a ballot).
-// A pass appends at most one logit per holder and column, so the 32 slots never overflow; a
-// block's first tile (empty lists, threshold -inf) appends the holders' best ones first. An
-// element that failed a threshold can never enter later (thresholds only rise), so the final
-// lists are exact. Shared arrays are column-minor ([slot][NC]).
+// An element that failed a threshold can never enter later (thresholds only rise), so the
+// final lists are exact. Shared arrays are column-minor ([slot][NC]).
 // Merge: one block per column takes the top-16 of the P * 16 partial candidates (a sorted
 // list per thread, combined by bitonic top-16 merges: see unary_topk_merge).
 
 #define UT_K 16
-#define UT_CAP 32  // candidate slots per column: one per holder (8 lanes x 4 warps)
+#define UT_CAP 32  // candidate slots per column and pass (one per holder while the list is not full)
 #define UT_THREAD_MERGE_NC 64  // columns from which each column's thread merges its own list
 
 // Insert (v, id) into the sorted (best first) register list if it beats the last entry.
@@ -50,26 +49,16 @@ __device__ __forceinline__ void ut_push(float (&lv)[UT_K], int (&li)[UT_K], floa
     if (ph_beats(v, id, lv[0], li[0])) { lv[0] = v; li[0] = id; }
 }
 
-// The 8 bits of `bal` at positions q, q + 4, ..., q + 28, as bits 0..7 (the lanes of quad
-// position q in lane order).
-__device__ __forceinline__ unsigned ut_quad_bits(unsigned bal, int q) {
-    unsigned y = (bal >> q) & 0x11111111u;
-    y = (y | (y >> 3)) & 0x03030303u;
-    y = (y | (y >> 6)) & 0x000f000fu;
-    return (y | (y >> 12)) & 0xffu;
-}
-
 template <int NT>
 struct PhTopk {
     static constexpr int NC = 8 * NT;
     static_assert(NC <= PH_THREADS, "one merging thread per column");
-    static_assert(UT_CAP == 8 * PH_WARPS, "one candidate slot per holder");
     static constexpr int SMEM_BYTES = NC * UT_K * 8 + NC * 4 + NC * UT_CAP * 8;  // mirrored by the launcher
     static constexpr int WG_STAGES = 4;  // sm_90a pipeline depth: two of these states fit beside it
     float* lv;   // [UT_K][NC] running lists, best first
     int* li;
-    unsigned* occ;  // [NC] byte w: the holders of warp w that wrote their slot this pass
-    float* cv;   // [UT_CAP][NC] slot h: holder h's candidate of this pass
+    int* cnt;    // [NC] candidates appended this pass (may exceed UT_CAP: overflow)
+    float* cv;   // [UT_CAP][NC]
     int* ci;
     PhRows rw;
     float* ws;
@@ -78,52 +67,50 @@ struct PhTopk {
         : rw(rows_), ws(ws_), n(n_) {
         lv = reinterpret_cast<float*>(epi_smem);
         li = reinterpret_cast<int*>(lv + NC * UT_K);
-        occ = reinterpret_cast<unsigned*>(li + NC * UT_K);
-        cv = reinterpret_cast<float*>(occ + NC);
+        cnt = li + NC * UT_K;
+        cv = reinterpret_cast<float*>(cnt + NC);
         ci = reinterpret_cast<int*>(cv + NC * UT_CAP);
     }
     __device__ __forceinline__ void init() {
         for (int e = ph_tid(); e < NC * UT_K; e += PH_THREADS) { lv[e] = PH_NEG_INF; li[e] = PH_NO_ID; }
-        for (int c = ph_tid(); c < NC; c += PH_THREADS) occ[c] = 0u;
+        for (int c = ph_tid(); c < NC; c += PH_THREADS) cnt[c] = 0;
     }
 
-    // Thread c: push the candidates of column c's occupied slots into its list (their order
-    // does not matter: the result is the top-16 of the union, and the order is total).
+    // Thread c: push column c's buffered candidates into its list (their order does not
+    // matter: the result is the top-16 of the union, and the order is total), then empty the
+    // buffer.
     __device__ __forceinline__ void insert_own() {
         const int c = ph_tid();
         if (c >= NC) return;
-        unsigned m = occ[c];
-        if (m == 0u) return;
-        occ[c] = 0u;  // the next pass's holders set only the bytes of the slots they enter
+        const int m = min(cnt[c], UT_CAP);
+        if (m == 0) return;
         float v[UT_K];
         int id[UT_K];
 #pragma unroll
         for (int j = 0; j < UT_K; ++j) { v[j] = lv[j * NC + c]; id[j] = li[j * NC + c]; }
-        for (; m != 0u; m &= m - 1u) {
-            const int k = __ffs(m) - 1;
-            ut_push(v, id, cv[k * NC + c], ci[k * NC + c]);
-        }
+        for (int k = 0; k < m; ++k) ut_push(v, id, cv[k * NC + c], ci[k * NC + c]);
 #pragma unroll
         for (int j = 0; j < UT_K; ++j) { lv[j * NC + c] = v[j]; li[j * NC + c] = id[j]; }
+        cnt[c] = 0;
     }
 
-    // One warp: merge the candidates of column c's occupied slots `m` (lane k holds slot k)
-    // into its list (lane j < 16 holds entry j) by rank: an element's new position is the
-    // number of elements of the union that beat it (the order is total and the ids are
-    // distinct, so the ranks of the valid elements are distinct, and the empty entries (-inf,
-    // no id) follow them in order); those ranked below 16 are written to their slot. One step
-    // per candidate k: broadcast it, count it against every list entry and candidate, and
-    // count the list entries that beat it with a ballot (no chain through the list).
-    __device__ __forceinline__ void insert_warp(int c, unsigned m) {
+    // One warp: merge the m candidates of column c (lane k < m holds candidate k) into its
+    // list (lane j < 16 holds entry j) by rank: an element's new position is the number of
+    // elements of the union that beat it (the order is total and the ids are distinct, so the
+    // ranks of the valid elements are distinct, and the empty entries (-inf, no id) follow
+    // them in order); those ranked below 16 are written to their slot. One step per
+    // candidate k: broadcast it, count it against every list entry and candidate, and count
+    // the list entries that beat it with a ballot (no chain through the list). Then empty the
+    // buffer.
+    __device__ __forceinline__ void insert_warp(int c) {
         const int lane = ph_tid() & 31;
-        const bool mine = (m >> lane) & 1u;
-        const float x = mine ? cv[lane * NC + c] : PH_NEG_INF;
-        const int xi = mine ? ci[lane * NC + c] : PH_NO_ID;
+        const int m = min(cnt[c], UT_CAP);
+        const float x = lane < m ? cv[lane * NC + c] : PH_NEG_INF;
+        const int xi = lane < m ? ci[lane * NC + c] : PH_NO_ID;
         const float mv = lane < UT_K ? lv[lane * NC + c] : PH_NEG_INF;
         const int mi = lane < UT_K ? li[lane * NC + c] : PH_NO_ID;
         int rank_x = 0, rank_m = lane;
-        for (unsigned r = m; r != 0u; r &= r - 1u) {  // m is warp-uniform
-            const int k = __ffs(r) - 1;
+        for (int k = 0; k < m; ++k) {  // m is warp-uniform
             const float ov = __shfl_sync(0xffffffffu, x, k);
             const int oi = __shfl_sync(0xffffffffu, xi, k);
             rank_m += ph_beats(ov, oi, mv, mi) ? 1 : 0;
@@ -133,20 +120,18 @@ struct PhTopk {
         }
         __syncwarp();  // every lane has read its entry before any slot is rewritten
         if (lane < UT_K && rank_m < UT_K) { lv[rank_m * NC + c] = mv; li[rank_m * NC + c] = mi; }
-        if (mine && rank_x < UT_K) { lv[rank_x * NC + c] = x; li[rank_x * NC + c] = xi; }
-        if (lane == 0) occ[c] = 0u;  // as in insert_own
+        if (lane < m && rank_x < UT_K) { lv[rank_x * NC + c] = x; li[rank_x * NC + c] = xi; }
         __syncwarp();
+        if (lane == 0) cnt[c] = 0;
     }
 
     __device__ __forceinline__ void tile(const float (&acc)[2][NT][4], long long r0, long long row_end) {
         const int lane = ph_tid() & 31, warp = ph_tid() >> 5;
-        const int q = lane & 3;
-        const int h = 8 * warp + (lane >> 2);  // this thread's candidate slot (holder index)
-        unsigned char* occ_b = reinterpret_cast<unsigned char*>(occ);
-        // Element k = 2 * mt + hh of a column: row ph_row(r0, mt, hh), logit acc[mt][nt][2hh + e].
+        // Element k = 2 * mt + h of a column: row ph_row(r0, mt, h), logit acc[mt][nt][2h + e].
         int ids[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) ids[k] = rw.id(ph_row(r0, k >> 1, k & 1), row_end);
+        const int id_min = min(min(ids[0], ids[1]), min(ids[2], ids[3]));
         // Bit 4 * (2 * nt + e) + k (of word nt / 4): appended already (or not a candidate).
         unsigned done[(NT + 3) / 4];
         unsigned none = 0u;
@@ -155,66 +140,76 @@ struct PhTopk {
 #pragma unroll
         for (int w = 0; w < (NT + 3) / 4; ++w) done[w] = none * 0x11111111u;
         for (;;) {
-            // Every slot's threshold value first (no store in between: the loads issue together).
-            float tvs[2 * NT];
-#pragma unroll
-            for (int j = 0; j < 2 * NT; ++j) tvs[j] = lv[(UT_K - 1) * NC + (j >> 1) * 8 + 2 * q + (j & 1)];
             int more = 0;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int c = nt * 8 + 2 * q + e;
+                    const int c = nt * 8 + 2 * (lane & 3) + e;
                     const int sh = 4 * (2 * (nt & 3) + e);
-                    const float tv = tvs[2 * nt + e];
-                    const unsigned d = done[nt >> 2] >> sh;
-                    // NaN ranks as -inf (fmaxf returns the other operand); appended logits
-                    // count as -inf for the warp's test whether the slot has any candidate.
+                    const float tv = lv[(UT_K - 1) * NC + c];
                     float x[4];
-                    float mx = PH_NEG_INF;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) x[k] = acc[k >> 1][nt][2 * (k & 1) + e];
+                    // Nothing here can beat a full list's 16th entry (fmaxf ignores NaN, which
+                    // ranks as -inf and so cannot either).
+                    const float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+                    if (tv != PH_NEG_INF && !(mx >= tv)) continue;
+                    const int ti = li[(UT_K - 1) * NC + c];
+                    // A logit equal to the threshold beats it only with a lower id: a holder
+                    // whose max ties and whose ids are all at or above the threshold's has
+                    // nothing to append (zero or duplicate head rows give such ties).
+                    if (tv != PH_NEG_INF && mx == tv && id_min >= ti) continue;
+                    const unsigned d = done[nt >> 2] >> sh;
+                    if (tv != PH_NEG_INF) {  // a full list: every winner at once
+                        // (NaN beats no threshold that is not -inf: it needs no mapping here.)
+                        unsigned win = 0u;
+#pragma unroll
+                        for (int k = 0; k < 4; ++k)
+                            win |= (!((d >> k) & 1u) && ph_beats(x[k], ids[k], tv, ti)) ? 1u << k : 0u;
+                        if (win == 0u) continue;
+                        int slot = atomicAdd(&cnt[c], __popc(win));  // may pass UT_CAP: overflow
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            if (!((win >> k) & 1u)) continue;
+                            if (slot < UT_CAP) {
+                                cv[slot * NC + c] = x[k];
+                                ci[slot * NC + c] = ids[k];
+                                done[nt >> 2] |= 1u << (sh + k);
+                            } else {
+                                more = 1;  // stays unappended: the next pass, at a higher threshold
+                            }
+                            ++slot;
+                        }
+                        continue;
+                    }
+                    int best = -1, passing = 0;
+                    float bv = PH_NEG_INF;
+                    int bi = PH_NO_ID;
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
-                        x[k] = fmaxf(acc[k >> 1][nt][2 * (k & 1) + e], PH_NEG_INF);
-                        mx = fmaxf(mx, (d >> k) & 1u ? PH_NEG_INF : x[k]);
+                        float v = x[k];
+                        if (v != v) v = PH_NEG_INF;  // NaN ranks as -inf
+                        if ((d >> k) & 1u || !ph_beats(v, ids[k], tv, ti)) continue;
+                        ++passing;
+                        if (best < 0 || ph_beats(v, ids[k], bv, bi)) { best = k; bv = v; bi = ids[k]; }
                     }
-                    // Nothing of this warp's holders can beat the thresholds (a tie needs
-                    // equality; an empty list's (-inf, no id) is beaten by every real row, so
-                    // mx >= tv holds there): the slot is skipped, its occupancy stays 0.
-                    if (!__any_sync(0xffffffffu, mx >= tv)) continue;
-                    bool tie = false;
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) tie |= !((d >> k) & 1u) && x[k] == tv;
-                    // The threshold's id matters only for a logit equal to its value.
-                    const int ti = tie ? li[(UT_K - 1) * NC + c] : PH_NO_ID;
-                    unsigned win = 0u;
-#pragma unroll
-                    for (int k = 0; k < 4; ++k)
-                        win |= (!((d >> k) & 1u) && ph_beats(x[k], ids[k], tv, ti)) ? 1u << k : 0u;
-                    // The best winner: every winner has a real id, so it beats (-inf, no id).
-                    float bv = PH_NEG_INF;
-                    int bi = PH_NO_ID, best = 0;
-#pragma unroll
-                    for (int k = 0; k < 4; ++k)
-                        if (((win >> k) & 1u) && ph_beats(x[k], ids[k], bv, bi)) { bv = x[k]; bi = ids[k]; best = k; }
-                    const bool has = win != 0u;
-                    more |= (win & (win - 1u)) != 0u ? 1 : 0;  // a second winner: another pass
-                    // Written unconditionally (no branch): a slot is read only where its
-                    // occupancy bit is set.
-                    cv[h * NC + c] = bv;
-                    ci[h * NC + c] = bi;
-                    done[nt >> 2] |= has ? 1u << (sh + best) : 0u;
-                    // The 8 lanes of quad position q write the same byte (column c, warp).
-                    const unsigned bal = __ballot_sync(0xffffffffu, has);
-                    occ_b[c * 4 + warp] = (unsigned char)ut_quad_bits(bal, q);
+                    if (best < 0) continue;
+                    const int slot = atomicAdd(&cnt[c], 1);  // < UT_CAP: one append per holder
+                    if (slot < UT_CAP) {
+                        cv[slot * NC + c] = bv;
+                        ci[slot * NC + c] = bi;
+                        done[nt >> 2] |= 1u << (sh + best);
+                        --passing;
+                    }
+                    more |= passing;
                 }
             PH_SYNC();
             if (NC >= UT_THREAD_MERGE_NC) {
                 insert_own();
             } else {
-                for (int c = warp; c < NC; c += PH_WARPS) {
-                    const unsigned m = occ[c];
-                    if (m != 0u) insert_warp(c, m);
-                }
+                for (int c = warp; c < NC; c += PH_WARPS)
+                    if (cnt[c] > 0) insert_warp(c);
             }
             if (!PH_SYNC_OR(more)) break;
         }

@@ -32,17 +32,16 @@
 //! CUDA (kernels/unary_topk.cu, compiled after kernels/proposal_argmax.cu whose fused head
 //! GEMM drivers, portable and sm_90a, it shares). Each GEMM warpgroup keeps a running top-16
 //! per column in shared memory, whose 16th entry is the column's threshold. A column's 128
-//! logits of a tile are held by 32 threads, 4 each, and each holder owns one slot of the
-//! column's 32-slot candidate buffer. After every tile, passes run until no holder has a logit
-//! left that beats its column's threshold: each holder reads all its columns' thresholds at
-//! once; a warp skips a column with one vote when none of its lanes has an unappended logit at
-//! or above the threshold's value (the steady state, and the repeat passes); otherwise each
-//! holder, without branches, writes its best unappended logit that beats the threshold (ties,
-//! as zero or duplicate head rows give, beat it only with a lower id; NaN ranks as -inf) to
-//! its slot and asks for another pass if a second one does, and a ballot records which slots
-//! were written. So a pass appends at most one logit per holder and never overflows; a tile
-//! takes one pass plus one for each further winner of its busiest holder (at most 4). The
-//! candidates are then merged
+//! logits of a tile are held by 32 threads, 4 each. After every tile, passes run until no
+//! holder has a logit left that beats its column's threshold: a holder skips the column with
+//! one compare when the max of its 4 logits is below a full list's threshold (or equals it
+//! while none of its ids is below the threshold's: ties, as zero or duplicate head rows give,
+//! beat it only with a lower id). While the list still has empty entries (a warpgroup's first
+//! tile) a holder appends only its best logit that beats the threshold to the column's
+//! candidate buffer (32 slots: one per holder) and asks for another pass if a second one
+//! does, so the thresholds rise fast; once the list is full it appends all its winners at
+//! once (one atomic reserves their slots; winners past the 32 slots wait for another pass, at
+//! a higher threshold), so a steady-state tile takes one pass. The candidates are then merged
 //! into the list: from 64 columns on by the column's own thread (the list in registers, one
 //! compare-and-shift insertion each, all columns at once), below that by one warp per
 //! column, by rank. This is exact because thresholds only rise.
@@ -75,8 +74,8 @@ pub const OP: &str = "unary_topk";
 /// Candidates kept per column (fixed by the DFlash2 contract).
 pub const TOP_K: usize = 16;
 
-/// Candidate slots per column of the CUDA epilogue (`UT_CAP`: one per holder, 8 lanes x 4
-/// warps).
+/// Candidate slots per column and pass of the CUDA epilogue (`UT_CAP`: one per holder while
+/// the list is not full).
 #[cfg(any(feature = "cuda", test))]
 const CANDIDATE_SLOTS: usize = 32;
 
@@ -170,7 +169,7 @@ fn case(
 /// A full head whose logits rise with the row in every column (column i: 2^(i % 5) times the
 /// row index, negated for every third column, so those columns' best rows come first): every
 /// later tile of a block beats everything before it, so each tile's 128 winners of a rising
-/// column (4 per holder, one slot per holder) must come in several passes. Exact:
+/// column overflow the epilogue's candidate buffer and must come in several passes. Exact:
 /// head row r is (r's top, middle and low 8 bits, 0...), each a BF16, and the hidden columns
 /// hold one power of two in their first three entries (so `rows` < 2^24 and `hidden` >= 3).
 fn rising_case(

@@ -343,14 +343,14 @@ mod model {
 }
 
 /// A model of the CUDA top-16 epilogue (`PhTopk` in kernels/unary_topk.cu), one column of
-/// one block: the running list; per tile, 32 holders of 4 logits each; passes in which each
-/// holder (unless its warp skips the column: no lane has an unappended logit at or above the
-/// threshold) writes its best unappended logit that beats the pass's threshold to its own
-/// candidate slot and asks for another pass if a second one does; both merges of the occupied
-/// slots into the list exactly as the kernel runs them (the column's thread pushing each
+/// one block: the running list; per tile, 32 holders of 4 logits each; passes in which every
+/// holder first skips the column when its max is below a full list's threshold, else appends
+/// its best unappended logit that beats the threshold (in any holder order: the kernel's
+/// shared-memory atomics) and asks for another pass if a second one does; both merges of the
+/// candidates into the list exactly as the kernel runs them (the column's thread pushing each
 /// candidate, or a warp ranking the union). Checked against a sort, so a wrong insertion step,
-/// a wrong rank (ties, empty entries), a lost second candidate of a holder or a skip that drops
-/// a winner fails here without a GPU.
+/// a wrong rank (ties, empty entries), a lost second candidate of a holder or a wrong skip
+/// fails here without a GPU.
 mod epilogue_model {
     use super::model::{EMPTY, Entry, K, NO_ID, beats};
     use proptest::prelude::*;
@@ -390,10 +390,7 @@ mod epilogue_model {
     }
 
     fn merge(list: &mut [Entry; K], cands: &[Entry], how: Merge) {
-        assert!(
-            cands.len() <= CAP,
-            "a pass appends at most one candidate per holder"
-        );
+        assert!(cands.len() <= CAP, "a pass appends at most CAP candidates");
         match how {
             Merge::Thread => cands.iter().for_each(|&x| push(list, x)),
             Merge::Warp => {
@@ -429,58 +426,86 @@ mod epilogue_model {
     }
 
     /// `tile`: `holders[h]` are the 4 (logit, id) elements of holder h (id NO_ID: not a
-    /// candidate; NaN ranks as -inf), holder h of warp h / 8; `order(pass)` is the order in
-    /// which the merge takes the occupied slots (the kernel's: ascending). Returns the number
-    /// of passes.
+    /// candidate; NaN ranks as -inf); `order(pass)` permutes the holders' appends. Returns the
+    /// number of passes.
     fn tile(
         list: &mut [Entry; K],
         holders: &[[Entry; 4]],
         how: Merge,
         mut order: impl FnMut(usize) -> Vec<usize>,
     ) -> usize {
-        assert_eq!(holders.len(), HOLDERS);
         let mut done: Vec<[bool; 4]> = holders.iter().map(|h| h.map(|e| e.1 == NO_ID)).collect();
-        // fmaxf(x, -inf): NaN ranks (and is stored) as -inf.
-        let rank = |e: Entry| (if e.0.is_nan() { f32::NEG_INFINITY } else { e.0 }, e.1);
         for pass in 0.. {
-            // A pass appends one element per holder with winners, and asks for another only
-            // where a holder had a second: a holder's 4 elements take at most 4 passes.
-            assert!(pass < 4, "at most 4 passes per tile");
+            // While the list is not full a holder appends one element per pass (at most 4
+            // such passes); after that a pass either appends all its winners or fills the
+            // buffer (CAP of the tile's 128 elements: at most 4 such passes), and one more
+            // ends the tile.
+            assert!(pass <= 8, "at most 9 passes per tile");
             let threshold = list[K - 1];
-            let mut slots: [Option<Entry>; HOLDERS] = [None; HOLDERS];
+            let full = threshold.0 != f32::NEG_INFINITY;
+            let mut buf = Vec::new();
+            let mut reserved = 0usize; // the column's atomic counter: may pass CAP
             let mut more = false;
-            for warp in 0..HOLDERS / 8 {
-                // The warp's vote: does any lane hold an unappended element at or above the
-                // threshold's value? (`mx >= tv`; an empty list's -inf admits every element.)
-                let lanes = 8 * warp..8 * warp + 8;
-                let any = lanes
-                    .clone()
-                    .any(|h| (0..4).any(|k| !done[h][k] && rank(holders[h][k]).0 >= threshold.0));
-                for h in lanes {
+            for h in order(pass) {
+                let x = holders[h];
+                // fmaxf: NaN ignored (the max of four NaN is NaN, and fails the compare).
+                let mx = x.iter().map(|e| e.0).fold(f32::NAN, f32::max);
+                // `!(mx >= t)`, which holds for NaN too, as the kernel's compare.
+                let below = mx.partial_cmp(&threshold.0).is_none_or(|o| o.is_lt());
+                if threshold.0 != f32::NEG_INFINITY && below {
+                    continue;
+                }
+                // A tie beats the threshold only with a lower id (the holder's lowest id,
+                // done elements included).
+                let id_min = x.iter().map(|e| e.1).min().unwrap_or(NO_ID);
+                if threshold.0 != f32::NEG_INFINITY && mx == threshold.0 && id_min >= threshold.1 {
+                    continue;
+                }
+                if full {
+                    // Every winner at once, in consecutive reserved slots; those past CAP
+                    // stay unappended for the next pass. (NaN beats no finite threshold.)
                     let win: Vec<usize> = (0..4)
-                        .filter(|&k| !done[h][k] && beats(rank(holders[h][k]), threshold))
+                        .filter(|&k| !done[h][k] && beats(x[k], threshold))
                         .collect();
-                    if !any {
-                        assert!(win.is_empty(), "the vote skipped holder {h}'s winners");
+                    for (j, &k) in win.iter().enumerate() {
+                        if reserved + j < CAP {
+                            buf.push(x[k]);
+                            done[h][k] = true;
+                        } else {
+                            more = true;
+                        }
+                    }
+                    reserved += win.len();
+                    continue;
+                }
+                let mut best: Option<(usize, Entry)> = None;
+                let mut passing = 0;
+                for k in 0..4 {
+                    let e = (
+                        if x[k].0.is_nan() {
+                            f32::NEG_INFINITY
+                        } else {
+                            x[k].0
+                        },
+                        x[k].1,
+                    );
+                    if done[h][k] || !beats(e, threshold) {
                         continue;
                     }
-                    let best = win.iter().copied().reduce(|b, k| {
-                        if beats(rank(holders[h][k]), rank(holders[h][b])) {
-                            k
-                        } else {
-                            b
-                        }
-                    });
-                    if let Some(k) = best {
-                        slots[h] = Some(rank(holders[h][k]));
-                        done[h][k] = true;
+                    passing += 1;
+                    if best.is_none_or(|(_, b)| beats(e, b)) {
+                        best = Some((k, e));
                     }
-                    more |= win.len() > 1;
                 }
+                if let Some((k, e)) = best {
+                    buf.push(e);
+                    done[h][k] = true;
+                    passing -= 1;
+                }
+                more |= passing > 0;
             }
-            let cands: Vec<Entry> = order(pass).into_iter().filter_map(|h| slots[h]).collect();
-            if !cands.is_empty() {
-                merge(list, &cands, how);
+            if !buf.is_empty() {
+                merge(list, &buf, how);
             }
             if !more {
                 return pass + 1;
@@ -630,11 +655,11 @@ mod epilogue_model {
     }
 
     #[test]
-    fn more_winners_than_holders_wait_for_the_next_pass() {
+    fn more_winners_than_buffer_slots_wait_for_the_next_pass() {
         // A full list of sixteen 1.0s, then a tile whose 128 logits all beat it (ascending
-        // with the row, ids 128..255): 128 winners of one column and one slot per holder and
-        // pass, so the holders' other winners must come in later passes at a higher threshold
-        // (dropping them, or marking them appended, loses the best ones).
+        // with the row, ids 128..255): 128 winners of one column and 32 slots per pass, so
+        // the first pass overflows and the overflowed winners must come in later passes at a
+        // higher threshold (dropping them, or marking them appended, loses the best ones).
         for how in MERGES {
             let (passes, ids) = second_tile(how, |_, r| (1.0, r), |_, r| (2.0 + r as f32, 128 + r));
             assert!(passes >= 2, "merge {how:?}: {passes} passes");
@@ -643,43 +668,18 @@ mod epilogue_model {
     }
 
     #[test]
-    fn a_holder_appends_one_winner_per_pass() {
+    fn a_full_list_takes_a_holders_winners_in_one_pass() {
         // After a first tile fills the list with 0.5s, holder 5 holds the four best logits of
-        // the second tile: one per pass, best first, so four passes take them all.
+        // the second tile: one pass appends all four (a second is only the final check).
         for how in MERGES {
             let (passes, ids) = second_tile(
                 how,
                 |_, r| (0.5, r),
                 |h, r| (if h == 5 { 9.0 - (r % 4) as f32 } else { 0.25 }, 128 + r),
             );
-            assert_eq!(passes, 4, "merge {how:?}");
+            assert_eq!(passes, 1, "merge {how:?}");
             let mut want = vec![148, 149, 150, 151];
             want.extend(0..12);
-            assert_eq!(ids, want, "merge {how:?}");
-        }
-    }
-
-    #[test]
-    fn a_warp_whose_holders_only_tie_the_threshold_value_is_not_skipped() {
-        // A first tile of 1.0s whose rows 0..9 are no candidates fills the list with ids
-        // 10..25 (threshold (1.0, 25)); the second tile's 1.0s have ids 128.. except holder
-        // 9's (warp 1) first element, (1.0, 5): equal in value to the threshold and lower in
-        // id, so it beats it. The warp's vote (value at or above the threshold's) must let it
-        // through.
-        for how in MERGES {
-            let (_, ids) = second_tile(
-                how,
-                |_, r| (1.0, if r < 10 { NO_ID } else { r }),
-                |h, r| {
-                    if h == 9 && r == 36 {
-                        (1.0, 5)
-                    } else {
-                        (1.0, 128 + r)
-                    }
-                },
-            );
-            let mut want = vec![5];
-            want.extend(10..25);
             assert_eq!(ids, want, "merge {how:?}");
         }
     }
