@@ -53,10 +53,11 @@
 // splits with exact power-of-two factors and writes +0.0 for dead columns.
 //
 // Launch. Where the device has programmatic dependent launch (sm_90 and later, see
-// df_pdl_wait; CudaBackend::launch_dependent) both kernels are dependent launches. The split
-// is one of whatever kernel precedes it in the stream: its blocks can become resident while
-// that kernel finishes, and each first waits for it (attn_split_start) and then lets the
-// merge start. The merge is one of the split: its blocks can become resident, and read their
+// df_pdl_wait; CudaBackend::launch_dependent) the merge is a dependent launch of the split,
+// and the split of the warpgroup-pair form (SplitForm::dependent_launch) one of whatever
+// kernel precedes it in the stream: its blocks can become resident while that kernel
+// finishes. Every split block first waits for the kernel ahead (attn_split_start: a no-op
+// for an ordinary launch) and then lets the merge start. The merge is one of the split: its blocks can become resident, and read their
 // row's metadata and compute its plan, while the split still runs (as far as the SMs have
 // room: the rest start as split blocks finish; that metadata is never written by the split,
 // and its writers had finished before any split block let the merge start); each merge block
@@ -919,10 +920,10 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, in
 
 // Full-layer entry: grid (kv_heads * row_blocks, rows, splits), AttnWg<DP, KS>::threads
 // threads, dynamic shared memory SplitForm::smem_bytes (crates/dflash-ops, attend.rs).
-// First statement of every split entry (a programmatic dependent launch on sm_90+, see
-// Launch above): wait until the kernel ahead in the stream has finished and its writes are
-// visible (it may have written q, the block K / V, the context or the row metadata), then let
-// the merge start (so the merge's pre-wait metadata reads also follow that kernel).
+// First statement of every split entry (where the split is a programmatic dependent launch,
+// see Launch above): wait until the kernel ahead in the stream has finished and its writes
+// are visible (it may have written q, the block K / V, the context or the row metadata), then
+// let the merge start (so the merge's pre-wait metadata reads also follow that kernel).
 __device__ __forceinline__ void attn_split_start() {
     df_pdl_wait();
     df_pdl_launch_dependents();

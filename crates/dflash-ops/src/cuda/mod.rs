@@ -14,8 +14,8 @@
 //! device of compute capability 9.0 unless [`CudaOptions::kernels`] asks for
 //! [`KernelVariants::Portable`]; both variants keep the same contract and pass the same
 //! conformance cases. On compute capability 9.0 and later the ops of
-//! [`DEPENDENT_LAUNCH_OPS`] also launch their kernels as programmatic dependents of the
-//! kernel queued before each (not under [`KernelVariants::Portable`]).
+//! [`DEPENDENT_LAUNCH_OPS`] also launch kernels as programmatic dependents of the kernel
+//! queued before each (not under [`KernelVariants::Portable`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -70,10 +70,10 @@ pub const ARCH_SPECIFIC_OPS: [&str; 4] = [
     crate::sliding_window_attention::OP,
 ];
 
-/// Ops that launch their kernels as programmatic dependents of the kernel queued before each
-/// on compute capability 9.0 and later (`CudaBackend::launch_dependent`: the attention split,
-/// whose blocks wait for the kernel ahead before anything else, and its merge), unless
-/// [`KernelVariants::Portable`].
+/// Ops that launch kernels as programmatic dependents of the kernel queued before each on
+/// compute capability 9.0 and later (`CudaBackend::launch_dependent`: the attention merge, and
+/// the warpgroup-pair split, whose blocks wait for the kernel ahead before anything else),
+/// unless [`KernelVariants::Portable`].
 pub const DEPENDENT_LAUNCH_OPS: [&str; 2] = [
     crate::softmax_attention::OP,
     crate::sliding_window_attention::OP,
@@ -457,7 +457,7 @@ impl CudaBackend {
         self.inner.sm90a
     }
 
-    /// Whether the ops of [`DEPENDENT_LAUNCH_OPS`] launch their kernels as programmatic
+    /// Whether the ops of [`DEPENDENT_LAUNCH_OPS`] launch kernels as programmatic
     /// dependents of the kernel queued before each (compute capability 9.0 and later,
     /// [`KernelVariants::Auto`]); otherwise every kernel is an ordinary launch.
     pub fn uses_dependent_launch(&self) -> bool {
@@ -466,8 +466,8 @@ impl CudaBackend {
 
     /// Launch `func` on the stream (`cfg`: grid, block, dynamic shared memory) as a
     /// programmatic dependent of the kernel queued before it (cuLaunchKernelEx with
-    /// programmatic stream serialization) when [`Self::uses_dependent_launch`], else as an
-    /// ordinary launch. A dependent launch may start as soon as every block of the kernel
+    /// programmatic stream serialization) when `dependent` and
+    /// [`Self::uses_dependent_launch`], else as an ordinary launch. A dependent launch may start as soon as every block of the kernel
     /// ahead has called `df_pdl_launch_dependents` (kernels/common.cuh): `func` must call
     /// `df_pdl_wait` before it reads anything that kernel writes, and every block of it must
     /// call it before exiting (so that work queued after `func` also follows the kernel
@@ -484,6 +484,7 @@ impl CudaBackend {
         cfg: cudarc::driver::LaunchConfig,
         args: &mut [RawArg],
         what: &str,
+        dependent: bool,
     ) -> Result<()> {
         use cudarc::driver::sys;
         let mut params: Vec<*mut std::ffi::c_void> = args
@@ -510,7 +511,7 @@ impl CudaBackend {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.inner.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(self.inner.dependent_launch),
+            numAttrs: u32::from(dependent && self.inner.dependent_launch),
         };
         self.inner
             .ctx

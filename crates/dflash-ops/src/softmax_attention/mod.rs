@@ -100,11 +100,13 @@
 //!   before the split's one partial (half the partials for the same keys per block). Same
 //!   contract, masks, P representation, workspace and merge; every other shape runs the
 //!   portable kernels, and `KernelVariants::Portable` selects them everywhere.
-//! - Launch: on compute capability 9.0 and later both kernels are programmatic dependent
-//!   launches (`CudaBackend::launch_dependent`). The split's blocks can become resident while
-//!   the kernel ahead of it in the stream finishes (in a sequence of attention calls, the
-//!   previous call's merge, which allows it at its start); each first waits for that kernel,
-//!   then lets the merge start. The merge's blocks can become resident and read their row's
+//! - Launch: on compute capability 9.0 and later the merge is a programmatic dependent
+//!   launch of the split (`CudaBackend::launch_dependent`), and the warpgroup-pair split one
+//!   of the kernel ahead of it in the stream (`SplitForm::dependent_launch`: measured to pay
+//!   there, not for the one-warpgroup split): its blocks can become resident while that
+//!   kernel finishes (in a sequence of attention calls, the previous call's merge, which
+//!   allows it at its start). Every split block first waits for the kernel ahead (a no-op for
+//!   an ordinary launch), then lets the merge start. The merge's blocks can become resident and read their row's
 //!   metadata while the split still runs, then wait for the split's completion before reading
 //!   a partial. The portable kernel variants (`KernelVariants::Portable`) launch both as
 //!   usual.
