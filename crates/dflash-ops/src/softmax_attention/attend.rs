@@ -973,6 +973,15 @@ mod tests {
         assert!(!Warps.sm90a() && !WarpPairs.sm90a());
         assert!(WarpPairs.key_split() && WarpgroupPairs.key_split());
         assert!(!Warps.key_split() && !Warpgroup.key_split());
+        // Only the pairs wait on the kernel ahead as a dependent launch: the B=1 K=15 shape
+        // that takes them does, B=1 K=7 (one warpgroup, slower as a dependent) does not.
+        assert!(form(&g(1, 16, 32, 8), true).dependent_launch());
+        assert!(!form(&g(1, 8, 32, 8), true).dependent_launch());
+        assert!(
+            ![Warps, WarpPairs, Warpgroup]
+                .iter()
+                .any(|f| f.dependent_launch())
+        );
     }
 
     #[test]
