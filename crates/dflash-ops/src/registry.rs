@@ -127,14 +127,18 @@ impl Case {
 }
 
 /// Records the bits of a case's inputs before the run and checks them after it.
+///
+/// Each input is kept as a copy of its own elements (the official heads are over a billion
+/// of them: no widening) and compared element by element, bit for bit; on the CPU the
+/// buffer is compared in place, on CUDA after one download.
 #[derive(Debug, Default)]
 pub struct InputCheck {
-    recorded: Vec<(String, Vec<u32>)>,
+    recorded: Vec<(String, Box<dyn std::any::Any + Send>)>,
 }
 
 impl InputCheck {
     /// Upload `data` as the input `name` and remember its bits.
-    pub fn upload<T: Element>(
+    pub fn upload<T: Element + Send + 'static>(
         &mut self,
         be: &Backend,
         name: &str,
@@ -142,23 +146,35 @@ impl InputCheck {
     ) -> Result<Buffer<T>> {
         let buf = be.upload(data)?;
         self.recorded
-            .push((name.to_string(), data.iter().map(|x| x.bits()).collect()));
+            .push((name.to_string(), Box::new(data.to_vec())));
         Ok(buf)
     }
 
     /// Compare `buf` with the bits recorded under `name`; push the name to `modified` if
-    /// they differ (or if nothing was recorded under that name).
-    pub fn verify<T: Element>(
+    /// they differ (or if nothing of this element type was recorded under that name).
+    pub fn verify<T: Element + Send + 'static>(
         &self,
         be: &Backend,
         name: &str,
         buf: &Buffer<T>,
         modified: &mut Vec<String>,
     ) -> Result<()> {
-        let now: Vec<u32> = be.download(buf)?.iter().map(|x| x.bits()).collect();
-        match self.recorded.iter().find(|(n, _)| n == name) {
-            Some((_, bits)) if *bits == now => {}
-            _ => modified.push(name.to_string()),
+        let same = |now: &[T]| {
+            self.recorded
+                .iter()
+                .find(|(n, _)| n == name)
+                .and_then(|(_, data)| data.downcast_ref::<Vec<T>>())
+                .is_some_and(|was| {
+                    was.len() == now.len() && was.iter().zip(now).all(|(a, b)| a.bits() == b.bits())
+                })
+        };
+        let unchanged = match be {
+            Backend::Cpu => same(buf.host("input check", "input")?),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => same(&be.download(buf)?),
+        };
+        if !unchanged {
+            modified.push(name.to_string());
         }
         Ok(())
     }
@@ -347,6 +363,44 @@ pub fn cases() -> Vec<Case> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn input_check_finds_any_changed_bit_and_nothing_else() -> Result<()> {
+        use half::bf16;
+        let be = Backend::cpu();
+        let data = [
+            bf16::from_f32(0.0),
+            bf16::from_f32(1.5),
+            bf16::from_bits(0x7fc1),
+        ];
+        let mut check = InputCheck::default();
+        let mut kept = check.upload(&be, "x", &data)?;
+        let mut other = check.upload(&be, "ids", &[3i32, 4])?;
+        let mut modified = Vec::new();
+        check.verify(&be, "x", &kept, &mut modified)?;
+        check.verify(&be, "ids", &other, &mut modified)?;
+        assert!(modified.is_empty(), "unchanged inputs: {modified:?}");
+        // -0.0 equals 0.0 and another NaN payload is still NaN, but neither has the same bits.
+        for (i, changed) in [(0, bf16::from_f32(-0.0)), (2, bf16::from_bits(0x7fc2))] {
+            let mut buf = check.upload(&be, "y", &data)?;
+            buf.host_mut("test", "y")?[i] = changed;
+            let mut modified = Vec::new();
+            check.verify(&be, "y", &buf, &mut modified)?;
+            assert_eq!(modified, ["y"], "element {i}");
+            check.recorded.pop();
+        }
+        other.host_mut("test", "ids")?[1] = 5;
+        kept.host_mut("test", "x")?[1] = bf16::from_f32(1.5);
+        let mut modified = Vec::new();
+        check.verify(&be, "ids", &other, &mut modified)?;
+        check.verify(&be, "x", &kept, &mut modified)?;
+        // Not recorded under that name, or recorded with another element type.
+        check.verify(&be, "z", &kept, &mut modified)?;
+        let as_f32 = be.upload(&[0f32, 0.0])?;
+        check.verify(&be, "ids", &as_f32, &mut modified)?;
+        assert_eq!(modified, ["ids", "z", "ids"]);
+        Ok(())
+    }
 
     #[test]
     fn close_criterion_uses_bf16_floor() {

@@ -257,9 +257,12 @@ pub fn run(
 pub(crate) struct Mix(pub(crate) u64);
 
 impl Mix {
+    /// SplitMix64's state increment: the stream after `k` words is `Mix(seed + k * GAMMA)`.
+    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
     /// The next 64 random bits.
     pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.0 = self.0.wrapping_add(Self::GAMMA);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -323,18 +326,14 @@ pub(crate) fn exact_head_inputs(
         })
     });
     let modulus = if coarse { 3 } else { 17 };
-    let fill = |len: usize, mix: &mut Mix| -> Vec<bf16> {
-        let mut out = Vec::with_capacity(len);
-        while out.len() < len {
-            let word = mix.next_u64();
-            for b in word.to_le_bytes().into_iter().take(len - out.len()) {
-                out.push(levels[usize::from(b) % modulus]);
-            }
-        }
-        out
+    let x: Vec<bf16> = fill_levels(mix, n * hidden, &levels[..modulus], 1);
+    let words = (rows * hidden).div_ceil(8);
+    let threads = if words < 1 << 20 {
+        1
+    } else {
+        crate::gemm::reference::threads_for(words >> 20)
     };
-    let x: Vec<bf16> = fill(n * hidden, mix);
-    let mut w: Vec<bf16> = fill(rows * hidden, mix);
+    let mut w: Vec<bf16> = fill_levels(mix, rows * hidden, &levels[..modulus], threads);
     let candidates = match head {
         ProposalHead::Full => public_vocab,
         ProposalHead::Indexed => rows,
@@ -361,6 +360,33 @@ pub(crate) fn exact_head_inputs(
         }
     }
     (x, w)
+}
+
+/// `len` entries `levels[b % levels.len()]`, one per byte `b` of the stream's words (8 per
+/// word, little-endian; the last word's unused bytes are skipped), leaving `mix` after the
+/// ceil(len / 8) words it used. With `threads` > 1 the words are split into that many ranges,
+/// each generated from its own start (SplitMix64 jumps: word k comes from state seed + (k + 1)
+/// GAMMA), so any thread count gives the same entries as one.
+fn fill_levels(mix: &mut Mix, len: usize, levels: &[bf16], threads: usize) -> Vec<bf16> {
+    let words = len.div_ceil(8);
+    let per = words.div_ceil(threads.max(1)).max(1);
+    let start = mix.0;
+    let mut out = vec![bf16::ZERO; len];
+    std::thread::scope(|s| {
+        for (c, chunk) in out.chunks_mut(per * 8).enumerate() {
+            s.spawn(move || {
+                let mut m = Mix(start.wrapping_add(((c * per) as u64).wrapping_mul(Mix::GAMMA)));
+                for dst in chunk.chunks_mut(8) {
+                    let word = m.next_u64().to_le_bytes();
+                    for (d, b) in dst.iter_mut().zip(word) {
+                        *d = levels[usize::from(b) % levels.len()];
+                    }
+                }
+            });
+        }
+    });
+    mix.0 = start.wrapping_add((words as u64).wrapping_mul(Mix::GAMMA));
+    out
 }
 
 fn case(

@@ -347,3 +347,30 @@ proptest! {
         prop_assert_eq!(got, oracle(&logits, None, rows, public));
     }
 }
+
+#[test]
+fn head_fixture_fill_is_the_same_stream_for_any_thread_count() {
+    // The sequential definition: one SplitMix64 word per 8 entries, bytes in little-endian
+    // order, the last word's unused bytes skipped; the stream continues after that word.
+    let levels: Vec<bf16> = (0..17).map(|k| bf16::from_f32(k as f32)).collect();
+    for (len, modulus) in [(0usize, 17usize), (5, 3), (8 * 1000 + 3, 17), (8 * 4096, 3)] {
+        let mut seq = super::Mix(11);
+        let mut want = Vec::new();
+        while want.len() < len {
+            let word = seq.next_u64().to_le_bytes();
+            for b in word.into_iter().take(len - want.len()) {
+                want.push(levels[usize::from(b) % modulus]);
+            }
+        }
+        for threads in [1, 2, 3, 7, 64] {
+            let mut mix = super::Mix(11);
+            let got = super::fill_levels(&mut mix, len, &levels[..modulus], threads);
+            assert_eq!(got, want, "len {len}, {threads} threads");
+            assert_eq!(
+                mix.next_u64(),
+                seq.clone().next_u64(),
+                "len {len}: the stream after"
+            );
+        }
+    }
+}
