@@ -206,7 +206,7 @@ DF_WGMMA_RS_NT(df_wgmma_rs_bf16_nt, "bf16")
 
 // ---- Programmatic dependent launch (sm_90 and later; no-ops below) ----
 // A kernel launched with the programmatic-stream-serialization attribute (the backend's
-// `launch_dependent`) may start before the kernel ahead of it in the stream has finished:
+// `launch_ex`) may start before the kernel ahead of it in the stream has finished:
 // once every block of that kernel has called df_pdl_launch_dependents (or exited). Before
 // df_pdl_wait it may only read what the kernels before that one wrote; df_pdl_wait returns
 // once the kernel ahead has completed and its writes are visible. Launched without the

@@ -53,17 +53,17 @@
 // splits with exact power-of-two factors and writes +0.0 for dead columns.
 //
 // Launch. Where the device has programmatic dependent launch (sm_90 and later, see
-// df_pdl_wait; CudaBackend::launch_dependent) the merge is a dependent launch of the split,
-// and the split of the warpgroup-pair form (SplitForm::dependent_launch) one of whatever
-// kernel precedes it in the stream: its blocks can become resident while that kernel
-// finishes. Every split block first waits for the kernel ahead (attn_split_start: a no-op
-// for an ordinary launch) and then lets the merge start. The merge is one of the split: its blocks can become resident, and read their
-// row's metadata and compute its plan, while the split still runs (as far as the SMs have
-// room: the rest start as split blocks finish; that metadata is never written by the split,
-// and its writers had finished before any split block let the merge start); each merge block
-// lets the next kernel start at once (a dependent launch, such as the next call's split,
-// waits before it reads anything) and then waits for the split's completion before it reads a
-// partial or writes the output.
+// df_pdl_wait; CudaBackend::launch_ex) the merge is a dependent launch of the split, and
+// the split of the warpgroup-pair form (SplitForm::dependent_launch) one of whatever kernel
+// precedes it in the stream: its blocks can become resident while that kernel finishes.
+// Every split block first waits for the kernel ahead (attn_split_start: a no-op for an
+// ordinary launch) and then lets the merge start. The merge's blocks can become resident,
+// and read their row's metadata and compute its plan, while the split still runs (as far as
+// the SMs have room: the rest start as split blocks finish; that metadata is never written
+// by the split, and its writers had finished before any split block let the merge start);
+// each merge block lets the next kernel start at once (a dependent launch, such as the next
+// call's split, waits before it reads anything) and then waits for the split's completion
+// before it reads a partial or writes the output.
 
 #define ATTN_THREADS 128  // threads of a portable split block (AttnWg::threads)
 #define ATTN_ROWS 64
@@ -918,8 +918,6 @@ __device__ __forceinline__ void attn_merge_body(const float* __restrict__ ws, in
     X(OP##_split_d64_ks2, 64, 2)    \
     X(OP##_split_d128_ks2, 128, 2)
 
-// Full-layer entry: grid (kv_heads * row_blocks, rows, splits), AttnWg<DP, KS>::threads
-// threads, dynamic shared memory SplitForm::smem_bytes (crates/dflash-ops, attend.rs).
 // First statement of every split entry (where the split is a programmatic dependent launch,
 // see Launch above): wait until the kernel ahead in the stream has finished and its writes
 // are visible (it may have written q, the block K / V, the context or the row metadata), then
@@ -929,6 +927,8 @@ __device__ __forceinline__ void attn_split_start() {
     df_pdl_launch_dependents();
 }
 
+// Full-layer entry: grid (kv_heads * row_blocks, rows, splits), AttnWg<DP, KS>::threads
+// threads, dynamic shared memory SplitForm::smem_bytes (crates/dflash-ops, attend.rs).
 template <int DP, int KS>
 __device__ __forceinline__ void softmax_attention_split_entry(
     const __nv_bfloat16* q, const __nv_bfloat16* k_blk, const __nv_bfloat16* v_blk,

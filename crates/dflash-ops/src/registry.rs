@@ -133,12 +133,12 @@ impl Case {
 /// buffer is compared in place, on CUDA after one download.
 #[derive(Debug, Default)]
 pub struct InputCheck {
-    recorded: Vec<(String, Box<dyn std::any::Any + Send>)>,
+    recorded: Vec<(String, Box<dyn std::any::Any>)>,
 }
 
 impl InputCheck {
     /// Upload `data` as the input `name` and remember its bits.
-    pub fn upload<T: Element + Send + 'static>(
+    pub fn upload<T: Element + 'static>(
         &mut self,
         be: &Backend,
         name: &str,
@@ -152,7 +152,7 @@ impl InputCheck {
 
     /// Compare `buf` with the bits recorded under `name`; push the name to `modified` if
     /// they differ (or if nothing of this element type was recorded under that name).
-    pub fn verify<T: Element + Send + 'static>(
+    pub fn verify<T: Element + 'static>(
         &self,
         be: &Backend,
         name: &str,

@@ -50,7 +50,7 @@ pub enum KernelVariants {
     #[default]
     Auto,
     /// Only the portable variants (what every sm_80+ device runs), launched as ordinary
-    /// kernels (no programmatic dependent launch, see `CudaBackend::launch_dependent`), e.g.
+    /// kernels (no programmatic dependent launch, see `CudaBackend::launch_ex`), e.g.
     /// to compare the two on a Hopper GPU.
     Portable,
 }
@@ -71,7 +71,7 @@ pub const ARCH_SPECIFIC_OPS: [&str; 4] = [
 ];
 
 /// Ops that launch kernels as programmatic dependents of the kernel queued before each on
-/// compute capability 9.0 and later (`CudaBackend::launch_dependent`: the attention merge, and
+/// compute capability 9.0 and later (`CudaBackend::launch_ex`: the attention merge, and
 /// the warpgroup-pair split, whose blocks wait for the kernel ahead before anything else),
 /// unless [`KernelVariants::Portable`].
 pub const DEPENDENT_LAUNCH_OPS: [&str; 2] = [
@@ -117,7 +117,7 @@ pub(crate) struct Kernel {
     pub(crate) blocks_per_sm: usize,
 }
 
-/// One parameter of a kernel launched by [`CudaBackend::launch_dependent`].
+/// One parameter of a kernel launched by [`CudaBackend::launch_ex`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum RawArg {
     /// A device pointer (`T*` in the kernel).
@@ -464,10 +464,11 @@ impl CudaBackend {
         self.inner.dependent_launch
     }
 
-    /// Launch `func` on the stream (`cfg`: grid, block, dynamic shared memory) as a
-    /// programmatic dependent of the kernel queued before it (cuLaunchKernelEx with
-    /// programmatic stream serialization) when `dependent` and
-    /// [`Self::uses_dependent_launch`], else as an ordinary launch. A dependent launch may start as soon as every block of the kernel
+    /// Launch `func` on the stream (`cfg`: grid, block, dynamic shared memory) through
+    /// cuLaunchKernelEx: as a programmatic dependent of the kernel queued before it
+    /// (programmatic stream serialization) when `dependent` and
+    /// [`Self::uses_dependent_launch`], else as an ordinary launch. A dependent launch may
+    /// start as soon as every block of the kernel
     /// ahead has called `df_pdl_launch_dependents` (kernels/common.cuh): `func` must call
     /// `df_pdl_wait` before it reads anything that kernel writes, and every block of it must
     /// call it before exiting (so that work queued after `func` also follows the kernel
@@ -478,7 +479,7 @@ impl CudaBackend {
     /// `args` are the kernel's parameters in order and type (device pointers of live
     /// allocations of this context); the kernel's memory accesses stay within the buffers
     /// passed; `func` follows the waiting rule above.
-    pub(crate) unsafe fn launch_dependent(
+    pub(crate) unsafe fn launch_ex(
         &self,
         func: &CudaFunction,
         cfg: cudarc::driver::LaunchConfig,

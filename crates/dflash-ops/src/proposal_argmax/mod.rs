@@ -326,14 +326,8 @@ pub(crate) fn exact_head_inputs(
         })
     });
     let modulus = if coarse { 3 } else { 17 };
-    let x: Vec<bf16> = fill_levels(mix, n * hidden, &levels[..modulus], 1);
-    let words = (rows * hidden).div_ceil(8);
-    let threads = if words < 1 << 20 {
-        1
-    } else {
-        crate::gemm::reference::threads_for(words >> 20)
-    };
-    let mut w: Vec<bf16> = fill_levels(mix, rows * hidden, &levels[..modulus], threads);
+    let x: Vec<bf16> = fill_levels(mix, n * hidden, &levels[..modulus]);
+    let mut w: Vec<bf16> = fill_levels(mix, rows * hidden, &levels[..modulus]);
     let candidates = match head {
         ProposalHead::Full => public_vocab,
         ProposalHead::Indexed => rows,
@@ -364,27 +358,44 @@ pub(crate) fn exact_head_inputs(
 
 /// `len` entries `levels[b % levels.len()]`, one per byte `b` of the stream's words (8 per
 /// word, little-endian; the last word's unused bytes are skipped), leaving `mix` after the
-/// ceil(len / 8) words it used. With `threads` > 1 the words are split into that many ranges,
-/// each generated from its own start (SplitMix64 jumps: word k comes from state seed + (k + 1)
-/// GAMMA), so any thread count gives the same entries as one.
-fn fill_levels(mix: &mut Mix, len: usize, levels: &[bf16], threads: usize) -> Vec<bf16> {
+/// ceil(len / 8) words it used. Fills of a million words and more (the official heads) run
+/// on every core (see [`fill_levels_threads`]).
+fn fill_levels(mix: &mut Mix, len: usize, levels: &[bf16]) -> Vec<bf16> {
+    let words = len.div_ceil(8);
+    let threads = if words < 1 << 20 {
+        1
+    } else {
+        crate::gemm::reference::threads_for(words >> 20)
+    };
+    fill_levels_threads(mix, len, levels, threads)
+}
+
+/// [`fill_levels`] with the words split into `threads` ranges, each generated from its own
+/// start (SplitMix64 jumps: word k comes from state seed + (k + 1) GAMMA), so any count gives
+/// the same entries; one range runs on the calling thread.
+fn fill_levels_threads(mix: &mut Mix, len: usize, levels: &[bf16], threads: usize) -> Vec<bf16> {
     let words = len.div_ceil(8);
     let per = words.div_ceil(threads.max(1)).max(1);
     let start = mix.0;
-    let mut out = vec![bf16::ZERO; len];
-    std::thread::scope(|s| {
-        for (c, chunk) in out.chunks_mut(per * 8).enumerate() {
-            s.spawn(move || {
-                let mut m = Mix(start.wrapping_add(((c * per) as u64).wrapping_mul(Mix::GAMMA)));
-                for dst in chunk.chunks_mut(8) {
-                    let word = m.next_u64().to_le_bytes();
-                    for (d, b) in dst.iter_mut().zip(word) {
-                        *d = levels[usize::from(b) % levels.len()];
-                    }
-                }
-            });
+    let fill = |c: usize, chunk: &mut [bf16]| {
+        let mut m = Mix(start.wrapping_add(((c * per) as u64).wrapping_mul(Mix::GAMMA)));
+        for dst in chunk.chunks_mut(8) {
+            let word = m.next_u64().to_le_bytes();
+            for (d, b) in dst.iter_mut().zip(word) {
+                *d = levels[usize::from(b) % levels.len()];
+            }
         }
-    });
+    };
+    let mut out = vec![bf16::ZERO; len];
+    if per >= words {
+        fill(0, &mut out);
+    } else {
+        std::thread::scope(|s| {
+            for (c, chunk) in out.chunks_mut(per * 8).enumerate() {
+                s.spawn(move || fill(c, chunk));
+            }
+        });
+    }
     mix.0 = start.wrapping_add((words as u64).wrapping_mul(Mix::GAMMA));
     out
 }

@@ -364,7 +364,7 @@ fn head_fixture_fill_is_the_same_stream_for_any_thread_count() {
         }
         for threads in [1, 2, 3, 7, 64] {
             let mut mix = super::Mix(11);
-            let got = super::fill_levels(&mut mix, len, &levels[..modulus], threads);
+            let got = super::fill_levels_threads(&mut mix, len, &levels[..modulus], threads);
             assert_eq!(got, want, "len {len}, {threads} threads");
             assert_eq!(
                 mix.next_u64(),

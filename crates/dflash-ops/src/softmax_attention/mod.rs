@@ -101,7 +101,7 @@
 //!   contract, masks, P representation, workspace and merge; every other shape runs the
 //!   portable kernels, and `KernelVariants::Portable` selects them everywhere.
 //! - Launch: on compute capability 9.0 and later the merge is a programmatic dependent
-//!   launch of the split (`CudaBackend::launch_dependent`), and the warpgroup-pair split one
+//!   launch of the split (`CudaBackend::launch_ex`), and the warpgroup-pair split one
 //!   of the kernel ahead of it in the stream (`SplitForm::dependent_launch`: measured to pay
 //!   there, not for the one-warpgroup split): its blocks can become resident while that
 //!   kernel finishes (in a sequence of attention calls, the previous call's merge, which
