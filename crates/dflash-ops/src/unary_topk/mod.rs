@@ -205,6 +205,36 @@ fn rising_case(
     }
 }
 
+/// A full head whose logits are all equal within a column (column i: 2^(i % 5)): every
+/// block's lists fill with exact ties, every later logit ties with the threshold, and the top
+/// 16 of every column must still be ids 0..15 (ties to the lower id across blocks, tiles,
+/// holders and the merge).
+fn equal_case(
+    n: usize,
+    rows: usize,
+    hidden: usize,
+    public_vocab: usize,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let mut x = vec![bf16::ZERO; n * hidden];
+        for i in 0..n {
+            x[i * hidden] = bf16::from_f32(f32::from(1u8 << (i % 5)));
+        }
+        let mut w = vec![bf16::ZERO; rows * hidden];
+        for r in 0..rows {
+            w[r * hidden] = bf16::ONE;
+        }
+        let p = Params {
+            n,
+            rows,
+            hidden,
+            public_vocab,
+            head: ProposalHead::Full,
+        };
+        run_case(be, &p, &x, &w, None)
+    }
+}
+
 /// Run one conformance case of shape `params` on `be` with these inputs: poisoned outputs
 /// and workspace, the inputs checked unchanged afterwards.
 fn run_case(
@@ -297,6 +327,18 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "full_rising_rows_60000_h64_n9",
             rising_case(9, 60_000, 64, 59_993),
+        ),
+        // All logits of a column equal: ties with every threshold (thread merge at 120
+        // columns, warp merge at 9).
+        Case::new(
+            OP,
+            "full_equal_rows_60000_h64_n120",
+            equal_case(120, 60_000, 64, 59_993),
+        ),
+        Case::new(
+            OP,
+            "full_equal_rows_60000_h64_n9",
+            equal_case(9, 60_000, 64, 59_993),
         ),
         Case::new(
             OP,
