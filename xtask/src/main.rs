@@ -19,6 +19,9 @@
 //! - `conformance --bundle DIR`: build the same runner stripped and copy it, with a short
 //!   `RUN.md`, into DIR, to run on a GPU host that has no Rust toolchain.
 
+#[cfg(test)]
+mod ptxas;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 

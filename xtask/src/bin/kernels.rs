@@ -2,10 +2,21 @@
 //! (NVRTC and the CUDA headers are enough): proof that the kernels build for every
 //! architecture the crates support, sm_80 and later.
 //!
-//! `dflash-kernels [--arch sm_80,sm_86,...]` (default: sm_80, sm_86, sm_89, sm_90, sm_100,
-//! sm_120), plus every architecture-specific module for its own architecture (the wgmma heads
-//! and attention splits for sm_90a). Prints one line per (module, arch) and exits 1 when any
-//! compile fails, 3 when NVRTC or the headers cannot be found.
+//! `dflash-kernels [--arch sm_80,sm_86,...] [--resources]` (default: sm_80, sm_86, sm_89,
+//! sm_90, sm_100, sm_120), plus every architecture-specific module for its own architecture
+//! (the wgmma heads and attention splits for sm_90a). Prints one line per (module, arch) and
+//! exits 1 when any compile fails, 3 when NVRTC or the headers cannot be found.
+//! `--resources` compiles each (module, arch) through ptxas with `-v` instead and prints one
+//! line per entry point (registers, stack frame, spill bytes per thread, `SPILLS` where ptxas
+//! spilled registers to local memory) and a count of the spilling entries; it exits 1 only
+//! when a compile fails (some spills are known and small: the report is for comparing builds).
+//!
+//! No GPU and no CUDA toolkit install are needed: NVRTC and the headers of the PyPI wheels
+//! `nvidia-cuda-nvrtc==13.0.*` and `nvidia-cuda-runtime==13.0.*`, unpacked (`unzip`), serve
+//! with `LD_LIBRARY_PATH=<unpacked>/nvidia/cu13/lib CUDA_HOME=<unpacked>/nvidia/cu13`.
+
+#[path = "../ptxas.rs"]
+mod ptxas;
 
 use std::process::ExitCode;
 
@@ -44,6 +55,9 @@ fn main() -> ExitCode {
     for (module, source, arch) in dflash_ops::cuda::arch_specific_modules() {
         jobs.push((module, source, arch.to_string()));
     }
+    if args.iter().any(|a| a == "--resources") {
+        return resources(jobs, &include);
+    }
     let mut failed = 0;
     for (module, source, arch) in jobs {
         let t = std::time::Instant::now();
@@ -58,6 +72,44 @@ fn main() -> ExitCode {
             }
         }
     }
+    if failed > 0 {
+        eprintln!("dflash-kernels: {failed} compile(s) failed");
+        return ExitCode::from(1);
+    }
+    ExitCode::SUCCESS
+}
+
+/// `--resources`: every entry point's registers, stack frame and spills per (module, arch).
+fn resources(jobs: Vec<(&'static str, String, String)>, include: &str) -> ExitCode {
+    let (mut failed, mut spilling) = (0, 0);
+    println!(
+        "{:<26} {:<7} {:<44} {:>4} {:>6} {:>7} {:>7}",
+        "module", "arch", "entry", "regs", "stack", "spill>", "spill<"
+    );
+    for (module, source, arch) in jobs {
+        match dflash_ops::cuda::ptxas_log(module, &source, &arch, include) {
+            Ok(log) => {
+                for u in ptxas::parse(&log) {
+                    spilling += usize::from(u.spills());
+                    println!(
+                        "{module:<26} {:<7} {:<44} {:>4} {:>6} {:>7} {:>7}{}",
+                        u.arch,
+                        u.entry,
+                        u.registers,
+                        u.stack,
+                        u.spill_stores,
+                        u.spill_loads,
+                        if u.spills() { "  SPILLS" } else { "" }
+                    );
+                }
+            }
+            Err(e) => {
+                failed += 1;
+                println!("FAIL {module:<26} {arch:<7} {e}");
+            }
+        }
+    }
+    println!("{spilling} entry point(s) spill registers to local memory");
     if failed > 0 {
         eprintln!("dflash-kernels: {failed} compile(s) failed");
         return ExitCode::from(1);

@@ -204,6 +204,47 @@ pub fn compile_module(
     })
 }
 
+/// Compile one kernel module as [`compile_module`] does, for a real architecture (`sm_XY` or
+/// `sm_90a`), through ptxas with `-v`, and return NVRTC's log: per entry point its
+/// registers, stack frame and spill bytes (`dflash-kernels --resources`). No GPU needed.
+pub fn ptxas_log(module: &str, source: &str, arch: &str, include_dir: &str) -> Result<String> {
+    use cudarc::nvrtc::result;
+    let fail = |stage: &str, e: cudarc::nvrtc::result::NvrtcError| OpsError::Cuda {
+        context: format!("NVRTC {stage} kernels/{module}.cu for {arch} (ptxas -v)"),
+        message: format!("{e:?}"),
+    };
+    let src =
+        std::ffi::CString::new(format!("{COMMON_CUH}\n{source}")).map_err(|_| OpsError::Cuda {
+            context: format!("NVRTC compiling kernels/{module}.cu"),
+            message: "the source holds a NUL byte".into(),
+        })?;
+    let name = std::ffi::CString::new(format!("{module}.cu")).unwrap_or_default();
+    let prog = result::create_program(&src, Some(&name)).map_err(|e| fail("creating", e))?;
+    let opts = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        format!("--include-path={include_dir}"),
+        "--ptxas-options=-v".into(),
+    ];
+    // SAFETY: `prog` was created above and is destroyed once, after its log was read.
+    let compiled = unsafe { result::compile_program(prog, &opts) };
+    // SAFETY: as above.
+    let log = unsafe { result::get_program_log(prog) };
+    // SAFETY: as above; `prog` is not used afterwards.
+    unsafe { result::destroy_program(prog) }.map_err(|e| fail("destroying", e))?;
+    let log = log.map_err(|e| fail("reading the log of", e))?;
+    let text: String = log
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8 as char)
+        .collect();
+    compiled.map_err(|e| OpsError::Cuda {
+        context: format!("NVRTC compiling kernels/{module}.cu for {arch} (ptxas -v)"),
+        message: format!("{e:?}\n{text}"),
+    })?;
+    Ok(text)
+}
+
 /// Every kernel module the ops compile: (module name = op id, its source without
 /// `COMMON_CUH`). `sliding_window_attention` is the shared attention body followed by its
 /// own entry points.
