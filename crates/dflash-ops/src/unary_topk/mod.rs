@@ -166,34 +166,20 @@ fn case(
     }
 }
 
-/// A full head whose logits rise with the row in every column (column i: 2^(i % 5) times the
-/// row index, negated for every third column, so those columns' best rows come first): every
-/// later tile of a block beats everything before it, so each tile's 128 winners of a rising
-/// column overflow the epilogue's candidate buffer and must come in several passes. Exact:
-/// head row r is (r's top, middle and low 8 bits, 0...), each a BF16, and the hidden columns
-/// hold one power of two in their first three entries (so `rows` < 2^24 and `hidden` >= 3).
-fn rising_case(
+/// Builds a case's hidden `[n, H]` and head `[rows, H]` from `(n, rows, H)`.
+type Inputs = fn(usize, usize, usize) -> (Vec<bf16>, Vec<bf16>);
+
+/// A full-head case of `n` columns over `rows` head rows of width `hidden` whose inputs
+/// `make(n, rows, hidden)` builds.
+fn full_case(
     n: usize,
     rows: usize,
     hidden: usize,
     public_vocab: usize,
+    make: Inputs,
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
-        let mut x = vec![bf16::ZERO; n * hidden];
-        for i in 0..n {
-            let s = f32::from(1u8 << (i % 5)) * if i % 3 == 2 { -1.0 } else { 1.0 };
-            x[i * hidden..i * hidden + 3].fill(bf16::from_f32(s));
-        }
-        let mut w = vec![bf16::ZERO; rows * hidden];
-        for r in 0..rows {
-            let v = r as u32;
-            for (k, part) in [v & 0xff_0000, v & 0xff00, v & 0xff]
-                .into_iter()
-                .enumerate()
-            {
-                w[r * hidden + k] = bf16::from_f32(part as f32);
-            }
-        }
+        let (x, w) = make(n, rows, hidden);
         let p = Params {
             n,
             rows,
@@ -205,34 +191,44 @@ fn rising_case(
     }
 }
 
-/// A full head whose logits are all equal within a column (column i: 2^(i % 5)): every
-/// block's lists fill with exact ties, every later logit ties with the threshold, and the top
-/// 16 of every column must still be ids 0..15 (ties to the lower id across blocks, tiles,
-/// holders and the merge).
-fn equal_case(
-    n: usize,
-    rows: usize,
-    hidden: usize,
-    public_vocab: usize,
-) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
-    move |be: &Backend| {
-        let mut x = vec![bf16::ZERO; n * hidden];
-        for i in 0..n {
-            x[i * hidden] = bf16::from_f32(f32::from(1u8 << (i % 5)));
-        }
-        let mut w = vec![bf16::ZERO; rows * hidden];
-        for r in 0..rows {
-            w[r * hidden] = bf16::ONE;
-        }
-        let p = Params {
-            n,
-            rows,
-            hidden,
-            public_vocab,
-            head: ProposalHead::Full,
-        };
-        run_case(be, &p, &x, &w, None)
+/// Logits that rise with the row in every column (column i: 2^(i % 5) times the row index,
+/// negated for every third column, so those columns' best rows come first): every later tile
+/// of a block beats everything before it, so each tile's 128 winners of a rising column
+/// overflow the epilogue's candidate buffer and must come in several passes. Exact: head row r
+/// is (r's top, middle and low 8 bits, 0...), each a BF16, and the hidden columns hold one
+/// power of two in their first three entries (so `rows` < 2^24 and `hidden` >= 3).
+fn rising_inputs(n: usize, rows: usize, hidden: usize) -> (Vec<bf16>, Vec<bf16>) {
+    let mut x = vec![bf16::ZERO; n * hidden];
+    for i in 0..n {
+        let s = f32::from(1u8 << (i % 5)) * if i % 3 == 2 { -1.0 } else { 1.0 };
+        x[i * hidden..i * hidden + 3].fill(bf16::from_f32(s));
     }
+    let mut w = vec![bf16::ZERO; rows * hidden];
+    for r in 0..rows {
+        let v = r as u32;
+        for (k, part) in [v & 0xff_0000, v & 0xff00, v & 0xff]
+            .into_iter()
+            .enumerate()
+        {
+            w[r * hidden + k] = bf16::from_f32(part as f32);
+        }
+    }
+    (x, w)
+}
+
+/// Logits all equal within a column (column i: 2^(i % 5)): every block's lists fill with
+/// exact ties, every later logit ties with the threshold, and the top 16 of every column must
+/// still be ids 0..15 (ties to the lower id across blocks, tiles, holders and the merge).
+fn equal_inputs(n: usize, rows: usize, hidden: usize) -> (Vec<bf16>, Vec<bf16>) {
+    let mut x = vec![bf16::ZERO; n * hidden];
+    for i in 0..n {
+        x[i * hidden] = bf16::from_f32(f32::from(1u8 << (i % 5)));
+    }
+    let mut w = vec![bf16::ZERO; rows * hidden];
+    for r in 0..rows {
+        w[r * hidden] = bf16::ONE;
+    }
+    (x, w)
 }
 
 /// Run one conformance case of shape `params` on `be` with these inputs: poisoned outputs
@@ -299,7 +295,7 @@ pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
     let (v, pv, sl) = (OFFICIAL_ROWS, OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);
     let (h35, h27) = (OFFICIAL_HIDDEN_35B, OFFICIAL_HIDDEN_27B);
-    vec![
+    let mut cases = vec![
         Case::new(
             OP,
             "full_small_rows_100_public_77_h16_n9_coarse",
@@ -316,30 +312,21 @@ pub(crate) fn cases() -> Vec<Case> {
             "indexed_rows_20000_public_30000_h136_n100_coarse",
             case(100, 20_000, 136, 30_000, Indexed, true, 9),
         ),
-        // Rising logits: every tile's winners overflow the candidate buffer (thread merge at
-        // 120 columns, warp merge at 9).
-        Case::new(
-            OP,
-            "full_rising_rows_60000_h64_n120",
-            rising_case(120, 60_000, 64, 59_993),
-        ),
-        Case::new(
-            OP,
-            "full_rising_rows_60000_h64_n9",
-            rising_case(9, 60_000, 64, 59_993),
-        ),
-        // All logits of a column equal: ties with every threshold (thread merge at 120
-        // columns, warp merge at 9).
-        Case::new(
-            OP,
-            "full_equal_rows_60000_h64_n120",
-            equal_case(120, 60_000, 64, 59_993),
-        ),
-        Case::new(
-            OP,
-            "full_equal_rows_60000_h64_n9",
-            equal_case(9, 60_000, 64, 59_993),
-        ),
+    ];
+    // 60000 rows of width 64, at 120 columns (the thread merge) and 9 (the warp merge): rising
+    // logits (every tile's winners overflow the candidate buffer) and logits all equal within
+    // a column (ties with every threshold).
+    let fixtures: [(&str, Inputs); 2] = [("rising", rising_inputs), ("equal", equal_inputs)];
+    for (kind, make) in fixtures {
+        for n in [120, 9] {
+            cases.push(Case::new(
+                OP,
+                format!("full_{kind}_rows_60000_h64_n{n}"),
+                full_case(n, 60_000, 64, 59_993, make),
+            ));
+        }
+    }
+    cases.extend([
         Case::new(
             OP,
             "full_official_h5120_n7",
@@ -376,5 +363,6 @@ pub(crate) fn cases() -> Vec<Case> {
             case(64, sl, h35, pv, Indexed, true, 8),
         )
         .heavy(),
-    ]
+    ]);
+    cases
 }

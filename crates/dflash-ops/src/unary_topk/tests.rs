@@ -708,7 +708,7 @@ fn rising_fixture_puts_the_last_public_rows_first_and_negated_columns_reversed()
     // The conformance fixture whose later tiles beat everything before them: its reference
     // top-16 must be the last 16 public rows (rising columns) or the first 16 (columns 2, 5,
     // .. negated), with the scores the row index times the column's power of two.
-    let run = rising_case(9, 1000, 8, 990)(&Backend::cpu())?;
+    let run = full_case(9, 1000, 8, 990, rising_inputs)(&Backend::cpu())?;
     let (scores, ids) = (&run.outputs[0].values, &run.outputs[1].values);
     for i in 0..9 {
         let s = f64::from(1u8 << (i % 5)) * if i % 3 == 2 { -1.0 } else { 1.0 };
@@ -727,6 +727,30 @@ fn rising_fixture_puts_the_last_public_rows_first_and_negated_columns_reversed()
                 scores[i * TOP_K + j],
                 s * f64::from(r),
                 "column {i} entry {j}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn equal_fixture_takes_the_lowest_16_ids_at_the_columns_power_of_two() -> Result<()> {
+    // The conformance fixture whose logits tie everywhere: ids 0..15 in every column, every
+    // score the column's power of two (rows past the public vocabulary are never candidates,
+    // so a public vocabulary of 16 still gives 0..15).
+    for public in [990, 16] {
+        let run = full_case(9, 1000, 8, public, equal_inputs)(&Backend::cpu())?;
+        let (scores, ids) = (&run.outputs[0].values, &run.outputs[1].values);
+        for i in 0..9 {
+            let got: Vec<i32> = ids[i * TOP_K..(i + 1) * TOP_K]
+                .iter()
+                .map(|&v| v as i32)
+                .collect();
+            assert_eq!(got, (0..16).collect::<Vec<i32>>(), "column {i}");
+            let s = f64::from(1u8 << (i % 5));
+            assert!(
+                scores[i * TOP_K..(i + 1) * TOP_K].iter().all(|&x| x == s),
+                "column {i}"
             );
         }
     }
