@@ -289,8 +289,9 @@ fn run_case(
 
 /// Conformance cases: the official Text head (248320 rows, 248077 public) with the 27B width
 /// at 7 and 15 columns, 120 columns (the widest column tile) at the 35B width, the official
-/// 131072-row shortlist with a shuffled map, coarse fills with many ties among the 16, and
-/// small odd shapes (100 columns for the wgmma driver).
+/// 131072-row shortlist with a shuffled map, coarse fills with many ties among the 16, rising
+/// and all-equal logits (60000 rows), and small odd shapes (100 columns for the wgmma
+/// driver).
 pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
     let (v, pv, sl) = (OFFICIAL_ROWS, OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);
