@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every kernel module compiles through NVRTC for sm_80..sm_120 and the sm_90a variants, with
 # no GPU: NVRTC and the CUDA headers come from their PyPI wheels (the CUDA 13.0 of the GPU
-# hosts' driver), unpacked into target/nvrtc. Also prints each entry point's registers and
-# spills (ptxas -v) for sm_80 and sm_90a, the architectures the draft's users run most.
+# hosts' driver), unpacked into target/nvrtc. Then counts the entry points that spill registers
+# (ptxas -v) on sm_80 and in the sm_90a modules (`dflash-kernels --resources` lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=target/nvrtc

@@ -183,6 +183,23 @@ pub fn cuda_include_dir() -> Result<String> {
     })
 }
 
+/// The NVRTC options every kernel module is compiled with, for `arch`.
+fn nvrtc_options(arch: &str, include_dir: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        format!("--include-path={include_dir}"),
+    ]
+}
+
+/// The error of compiling `module` for `arch` (`what` adds to the context).
+fn nvrtc_err(module: &str, arch: &str, what: &str, message: String) -> OpsError {
+    OpsError::Cuda {
+        context: format!("NVRTC compiling kernels/{module}.cu for {arch}{what}"),
+        message,
+    }
+}
+
 /// Compile one kernel module (`COMMON_CUH` + `source`) with NVRTC for `arch` (`sm_XY`), with
 /// the options every backend uses; the error carries NVRTC's log.
 pub fn compile_module(
@@ -191,17 +208,13 @@ pub fn compile_module(
     arch: &str,
     include_dir: &str,
 ) -> Result<cudarc::nvrtc::Ptx> {
-    let src = format!("{COMMON_CUH}\n{source}");
     let opts = cudarc::nvrtc::CompileOptions {
-        include_paths: vec![include_dir.to_string()],
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        options: nvrtc_options(arch, include_dir),
         name: Some(format!("{module}.cu")),
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| OpsError::Cuda {
-        context: format!("NVRTC compiling kernels/{module}.cu for {arch}"),
-        message: e.to_string(),
-    })
+    cudarc::nvrtc::compile_ptx_with_opts(format!("{COMMON_CUH}\n{source}"), opts)
+        .map_err(|e| nvrtc_err(module, arch, "", e.to_string()))
 }
 
 /// Compile one kernel module as [`compile_module`] does, for a real architecture (`sm_XY` or
@@ -209,39 +222,26 @@ pub fn compile_module(
 /// registers, stack frame and spill bytes (`dflash-kernels --resources`). No GPU needed.
 pub fn ptxas_log(module: &str, source: &str, arch: &str, include_dir: &str) -> Result<String> {
     use cudarc::nvrtc::result;
-    let fail = |stage: &str, e: cudarc::nvrtc::result::NvrtcError| OpsError::Cuda {
-        context: format!("NVRTC {stage} kernels/{module}.cu for {arch} (ptxas -v)"),
-        message: format!("{e:?}"),
-    };
-    let src =
-        std::ffi::CString::new(format!("{COMMON_CUH}\n{source}")).map_err(|_| OpsError::Cuda {
-            context: format!("NVRTC compiling kernels/{module}.cu"),
-            message: "the source holds a NUL byte".into(),
-        })?;
+    let err = |e: String| nvrtc_err(module, arch, " (ptxas -v)", e);
+    let src = std::ffi::CString::new(format!("{COMMON_CUH}\n{source}"))
+        .map_err(|_| err("the source holds a NUL byte".into()))?;
     let name = std::ffi::CString::new(format!("{module}.cu")).unwrap_or_default();
-    let prog = result::create_program(&src, Some(&name)).map_err(|e| fail("creating", e))?;
-    let opts = [
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".into(),
-        format!("--include-path={include_dir}"),
-        "--ptxas-options=-v".into(),
-    ];
+    let prog = result::create_program(&src, Some(&name)).map_err(|e| err(format!("{e:?}")))?;
+    let mut opts = nvrtc_options(arch, include_dir);
+    opts.push("--ptxas-options=-v".into());
     // SAFETY: `prog` was created above and is destroyed once, after its log was read.
     let compiled = unsafe { result::compile_program(prog, &opts) };
     // SAFETY: as above.
     let log = unsafe { result::get_program_log(prog) };
     // SAFETY: as above; `prog` is not used afterwards.
-    unsafe { result::destroy_program(prog) }.map_err(|e| fail("destroying", e))?;
-    let log = log.map_err(|e| fail("reading the log of", e))?;
+    unsafe { result::destroy_program(prog) }.map_err(|e| err(format!("{e:?}")))?;
     let text: String = log
+        .map_err(|e| err(format!("{e:?}")))?
         .iter()
         .take_while(|&&c| c != 0)
         .map(|&c| c as u8 as char)
         .collect();
-    compiled.map_err(|e| OpsError::Cuda {
-        context: format!("NVRTC compiling kernels/{module}.cu for {arch} (ptxas -v)"),
-        message: format!("{e:?}\n{text}"),
-    })?;
+    compiled.map_err(|e| err(format!("{e:?}\n{text}")))?;
     Ok(text)
 }
 
