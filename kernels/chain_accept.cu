@@ -3,6 +3,9 @@
 //
 // One block of CA_THREADS threads per row. Every f64 operation of a decision is an _rn
 // intrinsic in the order the contract fixes, so the CPU reference decides bit-identically.
+// A column's p_i is its stored p row, or (has_greedy, greedy[r, i] = g >= 0) the one-hot at g,
+// computed as (v == g) ? 1 : 0 and never loaded: exactly the values of the stored one-hot row,
+// so both forms take the same decisions. The p row of a greedy column is never read.
 
 #define CA_THREADS 1024
 #define CA_TILE 1024
@@ -12,12 +15,17 @@
 #define CA_PURPOSE_CORRECTION 3u
 #define CA_PURPOSE_BONUS 4u
 
+// p(v) of a column: the one-hot at g (g >= 0: a greedy column, prow never read) or prow[v].
+__device__ __forceinline__ double ca_p(const float* prow, int g, int v) {
+    return g >= 0 ? (v == g ? 1.0 : 0.0) : (double)prow[v];
+}
+
 // Draw weight of id v: mode 0 = p(v) (bonus / fallback), 1 = max(p - onehot_x, 0),
 // 2 = max(p - q_top16, 0) with q of the first slot holding v.
-__device__ __forceinline__ double ca_weight(const float* prow, int v, int vocab, int mode, int x,
-                                            const int* s_ids, const float* s_q) {
+__device__ __forceinline__ double ca_weight(const float* prow, int g, int v, int vocab, int mode,
+                                            int x, const int* s_ids, const float* s_q) {
     if (v >= vocab) return 0.0;
-    const double pv = (double)prow[v];
+    const double pv = ca_p(prow, g, v);
     if (mode == 0) return pv;
     double qv = 0.0;
     if (mode == 1) {
@@ -46,13 +54,15 @@ struct CaShared {
 
 // Blocked inverse-CDF draw (contract item 3). Returns -1 when there is no positive total or
 // no tile is chosen. Must be called by every thread of the block.
-__device__ int ca_draw(CaShared& sh, const float* prow, int vocab, int mode, int x, float u) {
+__device__ int ca_draw(CaShared& sh, const float* prow, int g, int vocab, int mode, int x,
+                       float u) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     const int tiles = (vocab + CA_TILE - 1) / CA_TILE;
     for (int j = warp; j < tiles; j += nwarps) {
         double a = 0.0;
         for (int k = 0; k < 32; ++k) {
-            a = __dadd_rn(a, ca_weight(prow, j * CA_TILE + k * 32 + lane, vocab, mode, x, sh.ids, sh.q));
+            a = __dadd_rn(a, ca_weight(prow, g, j * CA_TILE + k * 32 + lane, vocab, mode, x, sh.ids,
+                                       sh.q));
         }
         for (int off = 16; off > 0; off >>= 1) a = __dadd_rn(a, __shfl_down_sync(0xffffffffu, a, off));
         if (lane == 0) sh.tile_sum[j] = a;
@@ -79,7 +89,7 @@ __device__ int ca_draw(CaShared& sh, const float* prow, int vocab, int mode, int
     const int jstar = sh.jstar;
     if (jstar < 0) return -1;  // uniform over the block
     for (int t = tid; t < CA_TILE; t += blockDim.x) {
-        sh.tile_w[t] = ca_weight(prow, jstar * CA_TILE + t, vocab, mode, x, sh.ids, sh.q);
+        sh.tile_w[t] = ca_weight(prow, g, jstar * CA_TILE + t, vocab, mode, x, sh.ids, sh.q);
     }
     __syncthreads();
     if (tid == 0) {
@@ -101,7 +111,8 @@ __device__ int ca_draw(CaShared& sh, const float* prow, int vocab, int mode, int
 }
 
 extern "C" __global__ void __launch_bounds__(CA_THREADS) chain_accept_kernel(
-    const float* __restrict__ p, const int* __restrict__ proposals, const int* __restrict__ live,
+    const float* __restrict__ p, const int* __restrict__ greedy, int has_greedy,
+    const int* __restrict__ proposals, const int* __restrict__ live,
     const float* __restrict__ q, const int* __restrict__ ids, int top16,
     const int* __restrict__ seeds, const int* __restrict__ start_pos, int* __restrict__ accepted,
     int* __restrict__ out_tokens, int* __restrict__ out_len, int rows, int cols, int vocab) {
@@ -123,7 +134,8 @@ extern "C" __global__ void __launch_bounds__(CA_THREADS) chain_accept_kernel(
         for (int i = 0; i < P; ++i) {
             const int x = prop[i];
             const float* pi = p + ((size_t)r * cols + i) * (size_t)vocab;
-            const double px = (x >= 0 && x < vocab) ? (double)pi[x] : 0.0;
+            const int g = has_greedy ? greedy[(size_t)r * cols + i] : -1;
+            const double px = (x >= 0 && x < vocab) ? ca_p(pi, g, x) : 0.0;
             double qx = 1.0;
             if (top16) {
                 qx = 0.0;
@@ -150,6 +162,7 @@ extern "C" __global__ void __launch_bounds__(CA_THREADS) chain_accept_kernel(
     const int rejected = sh.rejected;
     const int x = sh.x;
     const float* pc = p + ((size_t)r * cols + A) * (size_t)vocab;
+    const int gc = has_greedy ? greedy[(size_t)r * cols + A] : -1;  // A <= P < Q <= cols
     int mode = 0;
     float u;
     if (rejected) {
@@ -164,8 +177,8 @@ extern "C" __global__ void __launch_bounds__(CA_THREADS) chain_accept_kernel(
         u = dflash_unit_f32(dflash_rng_word(seed, F + 1 + (u64)A, CA_PURPOSE_BONUS, 0u));
     }
     __syncthreads();
-    int tok = ca_draw(sh, pc, vocab, mode, x, u);
-    if (tok < 0 && mode != 0) tok = ca_draw(sh, pc, vocab, 0, x, u);
+    int tok = ca_draw(sh, pc, gc, vocab, mode, x, u);
+    if (tok < 0 && mode != 0) tok = ca_draw(sh, pc, gc, vocab, 0, x, u);
     if (tok < 0) tok = 0;
 
     for (int j = tid; j < cols; j += blockDim.x) {

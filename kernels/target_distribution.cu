@@ -1,14 +1,30 @@
 // target_distribution: processed target distribution of every live verify column
 // (contract: crates/dflash-ops/src/target_distribution/mod.rs).
 //
-// One block of TD_THREADS threads per (row, column). Every loop over the vocabulary uses the
-// same mapping v = threadIdx.x + k * blockDim.x, so a thread only reads back the p elements it
-// wrote itself (p holds the processed logits z as scratch between passes). Exact f32 steps use
-// the _rn intrinsics so that no multiply-add is contracted.
+// One block of TD_THREADS threads per (row, column); two entries that differ only in the
+// logits' dtype: target_distribution_kernel (f32) and target_distribution_bf16_kernel (bf16,
+// each logit widened exactly to f32: its 16 bits become the high half of the f32's bits).
+// Row r's column i is the logits column col_start[r] + i (starts = 1) or r * cols + i
+// (starts = 0); a column outside the logits' logit_cols columns is treated as dead, so no
+// logits read leaves the buffer. Every loop over the vocabulary uses the same mapping
+// v = threadIdx.x + k * blockDim.x, so a thread only reads back the p elements it wrote itself
+// (a sampled column's p row holds the processed logits z as scratch between passes; a greedy
+// column stores nothing before its result). Exact f32 steps use the _rn intrinsics so that no
+// multiply-add is contracted.
+//
+// live_form = 0 (Full): every p element of the row's columns is written (greedy one-hot, dead
+// zeros). live_form = 1 (Live): a greedy column writes greedy[r, i] = its argmax and nothing
+// in p; a sampled column writes greedy[r, i] = -1 and its p row; a dead column writes nothing.
 
 #define TD_THREADS 512
 #define TD_MAX_COLS 256
 #define TD_MASS_SCALE 1099511627776.0
+
+// Logit loads: f32 as stored, bf16 widened exactly (bf16 is the high half of an f32).
+__device__ __forceinline__ float td_load(const float* __restrict__ x, size_t i) { return x[i]; }
+__device__ __forceinline__ float td_load(const unsigned short* __restrict__ x, size_t i) {
+    return __uint_as_float((u32)x[i] << 16);
+}
 
 // Order-preserving u32 key of a (non-NaN) f32: a < b  <=>  key(a) < key(b).
 __device__ __forceinline__ u32 td_key(float z) {
@@ -32,13 +48,15 @@ __device__ double td_block_sum(double x, double* s_red) {
     return s_red[32];
 }
 
-extern "C" __global__ void __launch_bounds__(TD_THREADS) target_distribution_kernel(
-    const float* __restrict__ logits, const int* __restrict__ live, const int* __restrict__ counts,
+template <typename LT>
+__device__ __forceinline__ void td_column(
+    const LT* __restrict__ logits, long long logit_cols, const int* __restrict__ col_start,
+    int starts, const int* __restrict__ live, const int* __restrict__ counts,
     const int* __restrict__ proposals, const float* __restrict__ temperature,
     const int* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
     const float* __restrict__ rep_pen, const float* __restrict__ freq_pen,
-    const float* __restrict__ pres_pen, float* __restrict__ p, int rows, int cols, int vocab,
-    int public_vocab) {
+    const float* __restrict__ pres_pen, float* __restrict__ p, int* __restrict__ greedy_out,
+    int live_form, int rows, int cols, int vocab, int public_vocab) {
     __shared__ int s_hist[TD_MAX_COLS];
     __shared__ unsigned int s_count[256];
     __shared__ unsigned long long s_mass[256];
@@ -60,8 +78,12 @@ extern "C" __global__ void __launch_bounds__(TD_THREADS) target_distribution_ker
     float* out = p + base;
     int q = live[r];
     q = q < 0 ? 0 : (q > cols ? cols : q);
-    if (i >= q) {  // dead column (uniform over the block)
-        for (int v = tid; v < vocab; v += nt) out[v] = 0.0f;
+    // The logits column of (r, i) (uniform over the block); outside the buffer: dead.
+    const long long lc = starts ? (long long)col_start[r] + i : (long long)r * cols + i;
+    if (i >= q || lc < 0 || lc >= logit_cols) {  // dead column (uniform over the block)
+        if (!live_form) {
+            for (int v = tid; v < vocab; v += nt) out[v] = 0.0f;
+        }
         return;
     }
 
@@ -73,22 +95,22 @@ extern "C" __global__ void __launch_bounds__(TD_THREADS) target_distribution_ker
     const bool greedy = !(T > 0.0f);
     const float rep = rep_pen[r], freq = freq_pen[r], pres = pres_pen[r];
     const int* crow = counts + (size_t)r * vocab;
-    const float* lrow = logits + base;
+    const LT* lrow = logits + (size_t)lc * (size_t)vocab;
 
-    // Pass 1: processed logits into p (scratch) and the lowest-id argmax.
+    // Pass 1: the lowest-id argmax and, for a sampled column, z into its p row (scratch).
     float bv = __int_as_float((int)0xff800000u);  // -inf without <math.h> (NVRTC)
     int bi = 0x7fffffff;
     for (int v = tid; v < public_vocab; v += nt) {
         long long c = (long long)crow[v];
         for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
-        float l = lrow[v];
+        float l = td_load(lrow, (size_t)v);
         if (c > 0) {
             l = (l > 0.0f) ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
             l = __fsub_rn(l, __fadd_rn(__fmul_rn(freq, __ll2float_rn(c)), pres));
         }
         float z = greedy ? l : __fdiv_rn(l, T);
         z = __fadd_rn(z, 0.0f);  // -0 -> +0
-        out[v] = z;
+        if (!greedy) out[v] = z;
         if (z > bv || (z == bv && v < bi)) { bv = z; bi = v; }
     }
     for (int off = 16; off > 0; off >>= 1) {
@@ -114,9 +136,14 @@ extern "C" __global__ void __launch_bounds__(TD_THREADS) target_distribution_ker
     const int amax = s_amax;
 
     if (greedy) {
-        for (int v = tid; v < vocab; v += nt) out[v] = (v == amax) ? 1.0f : 0.0f;
+        if (live_form) {
+            if (tid == 0) greedy_out[(size_t)r * cols + i] = amax;
+        } else {
+            for (int v = tid; v < vocab; v += nt) out[v] = (v == amax) ? 1.0f : 0.0f;
+        }
         return;
     }
+    if (live_form && tid == 0) greedy_out[(size_t)r * cols + i] = -1;
     const double zmax = (double)s_zmax;
 
     // Top-k: radix select of the k-th largest key (multiplicity counted).
@@ -220,3 +247,22 @@ extern "C" __global__ void __launch_bounds__(TD_THREADS) target_distribution_ker
         out[v] = val;
     }
 }
+
+#define TD_ENTRY(NAME, LT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TD_THREADS) NAME(                              \
+        const LT* __restrict__ logits, long long logit_cols, const int* __restrict__ col_start, \
+        int starts, const int* __restrict__ live, const int* __restrict__ counts,               \
+        const int* __restrict__ proposals, const float* __restrict__ temperature,               \
+        const int* __restrict__ top_k, const float* __restrict__ top_p,                         \
+        const float* __restrict__ min_p, const float* __restrict__ rep_pen,                     \
+        const float* __restrict__ freq_pen, const float* __restrict__ pres_pen,                 \
+        float* __restrict__ p, int* __restrict__ greedy_out, int live_form, int rows, int cols, \
+        int vocab, int public_vocab) {                                                          \
+        td_column<LT>(logits, logit_cols, col_start, starts, live, counts, proposals,           \
+                      temperature, top_k, top_p, min_p, rep_pen, freq_pen, pres_pen, p,         \
+                      greedy_out, live_form, rows, cols, vocab, public_vocab);                  \
+    }
+
+// The two entries (f32 and bf16 logits).
+TD_ENTRY(target_distribution_kernel, float)
+TD_ENTRY(target_distribution_bf16_kernel, unsigned short)

@@ -869,7 +869,11 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 })
                 .collect();
             self.verify
-                .verify(&self.be, &vrows, &self.outputs[n - 1].logits)
+                .verify(
+                    &self.be,
+                    &vrows,
+                    dflash_verify::TargetLogits::padded(&self.outputs[n - 1].logits),
+                )
                 .map_err(EngineError::from)
         };
         let outcomes = match outcomes {

@@ -130,15 +130,21 @@ pub enum VerifyError {
         /// The workspace's row capacity B.
         max_rows: usize,
     },
-    /// The logits buffer does not hold `[rows, cols, vocab_rows]` elements.
+    /// The logits buffer does not hold the batch's live columns in its layout: padded, whole
+    /// `[cols, vocab_rows]` rows, at least `rows` of them; packed, whole `vocab_rows` columns,
+    /// at least the rows' `P + 1` live columns together.
     #[error(
-        "logits hold {found} elements, expected {expected} = [rows={rows}, cols={cols}, vocab_rows={vocab_rows}]"
+        "{layout} logits hold {found} elements, expected a whole number of {unit}-element units, at least {expected} (rows={rows}, cols={cols}, vocab_rows={vocab_rows})"
     )]
     LogitsLength {
         /// Elements found.
         found: usize,
-        /// Elements expected.
+        /// The fewest elements the batch needs.
         expected: usize,
+        /// Elements of one unit (a padded row or a vocabulary column).
+        unit: usize,
+        /// The layout the logits were passed in.
+        layout: crate::LogitsLayout,
         /// Batch rows.
         rows: usize,
         /// Workspace columns W.

@@ -16,7 +16,7 @@
 //!   (prompt and published tokens through the anchor) **plus `d_1 ..= d_i`**: the accepted
 //!   proposals are added to the history as the scan advances;
 //! - temperature (finite and `>= 0`, the one rule of `dflash_config::check_temperature`; 0:
-//!   greedy, `p_i` is the one-hot argmax, ties to the lowest id), then
+//!   greedy, `p_i` is the one-hot argmax, ties to the lowest id, kept as that id alone), then
 //!   top-k, top-p, min-p.
 //!
 //! Acceptance (the `chain_accept` op): for `i = 0, 1, ..` test `d_(i+1)` against `p_i` with
@@ -51,23 +51,34 @@
 //!
 //! # Device use
 //!
-//! [`VerifyWorkspace`] holds every device buffer of the round, sized once for
-//! `(B, W, vocab_rows)`; a call writes the round's metadata (live counts, proposals, q and
-//! ids, settings, seeds, frontiers, history counts) into it, runs the two ops and reads back
-//! only the outcome (`B * (W + 2)` integers). History counts are synchronized incrementally:
-//! the workspace keeps a host mirror of each row slot's device counts and rewrites only the
-//! changed id range of a slot. A batch of fewer than `B` rows is padded to `B` (padding rows
-//! verify one greedy column and are discarded); because the ops take exact shapes, its logits
-//! are copied into a workspace-owned `[B, W, vocab_rows]` buffer, allocated at the first short
-//! batch and reused afterwards.
+//! [`VerifyWorkspace`] holds every device buffer of the round, allocated once in
+//! [`VerifyWorkspace::new`] for `(B, W, vocab_rows)` ([`VerifyWorkspace::bytes`]); a call
+//! allocates nothing on the device. It writes the round's metadata of its `n <= B` rows (live
+//! counts, logits column starts, proposals, q and ids, settings, seeds, frontiers, history
+//! counts) into the first `n` rows of those buffers, runs the two ops on exactly `n` rows
+//! (nothing is padded: rows `n..B` are neither read nor written) and reads back only the
+//! outcome (`n * (W + 2)` integers). History counts are synchronized incrementally: the
+//! workspace keeps a host mirror of each row slot's device counts and rewrites only the
+//! changed id range of a slot.
+//!
+//! The target's logits ([`TargetLogits`]) are F32 or BF16 (a BF16 logit is widened exactly to
+//! F32 when it is read, so BF16 logits verify exactly like their F32 widening) and padded
+//! (`[n, W, vocab_rows]`, dead columns never read) or packed (only the `P + 1` live columns of
+//! each row, row after row). The workspace writes row `r`'s first logits column (`r * W`, or
+//! the live columns of the rows before it) into a device buffer with the round's metadata, so
+//! a captured graph replays with new values. Greedy rows (temperature 0) write no vocabulary
+//! row: `target_distribution` records each greedy column's argmax id (`[B, W]` integers) and
+//! `chain_accept` verifies against its one-hot from that id; only sampled columns write their
+//! F32 `p` row.
 //!
 //! # Validation
 //!
 //! Everything is checked before anything is written ([`VerifyError`]): shapes, `P <= K`,
 //! token ids (below the vocabulary rows and public), the history (length `F + 1`, last token
 //! = anchor), settings, every retained q (finite, `>= 0`, sum within [`Q_SUM_TOLERANCE`] of 1,
-//! distinct ids, the proposal among them with `q > 0`) and, on the CPU backend, the logits
-//! (no NaN or `+inf` public logit, at least one finite public logit per live column). On the
+//! distinct ids, the proposal among them with `q > 0`), that the logits hold every live column
+//! in their layout and, on the CPU backend, the logits themselves (no NaN or `+inf` public
+//! logit, at least one finite public logit per live column). On the
 //! CUDA backend the logits are the caller's guarantee (reading them back would stall the
 //! stream); the ops clamp so that they never access out of bounds.
 
@@ -79,10 +90,11 @@ mod history;
 pub use error::{QFault, Result, TokenRole, VerifyError};
 pub use history::{MAX_COUNT, TokenHistory};
 
+pub use dflash_ops::target_distribution::Logits;
 pub use dflash_ops::target_distribution::Settings as SamplingSettings;
 
 use dflash_ops::target_distribution::{self, SamplingBuffers};
-use dflash_ops::{Backend, Buffer, chain_accept};
+use dflash_ops::{Backend, Buffer, Element, chain_accept};
 
 /// Retained candidates per DFlash2 proposal column.
 pub const TOP: usize = chain_accept::TOP;
@@ -232,6 +244,54 @@ impl RoundOutcome {
     }
 }
 
+/// How the target laid out its verify logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LogitsLayout {
+    /// `[n, W, vocab_rows]`: row `r`'s column `i` at logits column `r * W + i` (dead columns
+    /// are never read). The buffer holds whole `[W, vocab_rows]` rows, at least `n`.
+    Padded,
+    /// Only the live columns: row `r`'s `P_r + 1` columns follow the previous row's
+    /// (`[sum_r (P_r + 1), vocab_rows]`). The buffer holds whole vocabulary columns, at least
+    /// that many.
+    Packed,
+}
+
+impl std::fmt::Display for LogitsLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LogitsLayout::Padded => "padded",
+            LogitsLayout::Packed => "packed",
+        })
+    }
+}
+
+/// The target's verify logits of a batch: the buffer (F32 or BF16) and its layout.
+#[derive(Clone, Copy, Debug)]
+pub struct TargetLogits<'a> {
+    /// The logits, on the workspace's backend.
+    pub values: Logits<'a>,
+    /// Where each row's columns lie.
+    pub layout: LogitsLayout,
+}
+
+impl<'a> TargetLogits<'a> {
+    /// Padded logits `[n, W, vocab_rows]` (`&Buffer<f32>` or `&Buffer<bf16>`).
+    pub fn padded(values: impl Into<Logits<'a>>) -> Self {
+        TargetLogits {
+            values: values.into(),
+            layout: LogitsLayout::Padded,
+        }
+    }
+
+    /// Packed logits: only the live columns, row after row.
+    pub fn packed(values: impl Into<Logits<'a>>) -> Self {
+        TargetLogits {
+            values: values.into(),
+            layout: LogitsLayout::Packed,
+        }
+    }
+}
+
 /// The static shape of a [`VerifyWorkspace`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VerifyShape {
@@ -247,11 +307,15 @@ pub struct VerifyShape {
     pub kind: ProposalKind,
 }
 
-/// Device buffers of the round plus their host staging, sized once for a [`VerifyShape`].
+/// Device buffers of the round plus their host staging, sized once for a [`VerifyShape`]
+/// (every device buffer is allocated by [`VerifyWorkspace::new`]; a call of `n <= B` rows uses
+/// the first `n` rows of each).
 #[derive(Debug)]
 pub struct VerifyWorkspace {
     shape: VerifyShape,
     live: Buffer<i32>,
+    /// `[B]`: each row's first logits column.
+    col_start: Buffer<i32>,
     counts: Buffer<i32>,
     proposals: Buffer<i32>,
     q: Buffer<f32>,
@@ -259,12 +323,13 @@ pub struct VerifyWorkspace {
     sampling: SamplingBuffers,
     seeds: Buffer<i32>,
     start_pos: Buffer<i32>,
+    /// `[B, W, V]`: the distributions of sampled columns (greedy columns leave it alone).
     p: Buffer<f32>,
+    /// `[B, W]`: each greedy column's argmax, -1 for a sampled column.
+    greedy: Buffer<i32>,
     accepted: Buffer<i32>,
     out_tokens: Buffer<i32>,
     out_len: Buffer<i32>,
-    /// `[B, W, V]` copy of a short batch's logits (allocated at the first short batch).
-    padded_logits: Option<Buffer<f32>>,
     /// Host mirror of `counts` and, per slot, the ids that are nonzero there.
     counts_mirror: Vec<i32>,
     slot_ids: Vec<Vec<u32>>,
@@ -278,6 +343,7 @@ pub struct VerifyWorkspace {
 #[derive(Debug, Default)]
 struct Staging {
     live: Vec<i32>,
+    col_start: Vec<i32>,
     proposals: Vec<i32>,
     q: Vec<f32>,
     ids: Vec<i32>,
@@ -301,7 +367,8 @@ fn shape_err(param: &'static str, found: usize, expected: String) -> VerifyError
 }
 
 impl VerifyWorkspace {
-    /// Allocate every buffer for `shape` on `be`.
+    /// Allocate every buffer for `shape` on `be` ([`Self::bytes`] of device memory); no call
+    /// allocates afterwards.
     pub fn new(be: &Backend, shape: VerifyShape) -> Result<Self> {
         let VerifyShape {
             max_rows: b,
@@ -332,6 +399,10 @@ impl VerifyWorkspace {
             .checked_mul(w)
             .and_then(|n| n.checked_mul(v))
             .ok_or_else(|| shape_err("max_rows", b, "B * W * vocab_rows within usize".into()))?;
+        if b * w > i32::MAX as usize {
+            // Logits column starts (up to B * W) are i32 device metadata.
+            return Err(shape_err("max_rows", b, "B * W below 2^31".into()));
+        }
         let k = w - 1;
         let top_len = if kind == ProposalKind::Top16 {
             b * k * TOP
@@ -342,6 +413,7 @@ impl VerifyWorkspace {
         Ok(VerifyWorkspace {
             shape,
             live: be.filled(b, 1)?,
+            col_start: be.zeros(b)?,
             counts: be.zeros(b * v)?,
             proposals: be.zeros(b * k)?,
             q: be.zeros(top_len)?,
@@ -350,10 +422,10 @@ impl VerifyWorkspace {
             seeds: be.zeros(2 * b)?,
             start_pos: be.zeros(b)?,
             p: be.zeros(total)?,
+            greedy: be.zeros(b * w)?,
             accepted: be.zeros(b)?,
             out_tokens: be.zeros(b * w)?,
             out_len: be.zeros(b)?,
-            padded_logits: None,
             counts_mirror: vec![0; b * v],
             slot_ids: vec![Vec::new(); b],
             counts_synced: true,
@@ -366,34 +438,106 @@ impl VerifyWorkspace {
         &self.shape
     }
 
+    /// Device bytes a workspace of `shape` allocates (all of it in [`Self::new`]): history
+    /// counts and `p` (`B * vocab_rows` and `B * W * vocab_rows` elements), the greedy ids and
+    /// output tokens (`B * W` each), proposals, retained q and ids (top-16 only), and the
+    /// per-row metadata and outcome (seven settings, two seed words, frontier, live count,
+    /// column start, accepted count, output length). Every element is 4 bytes.
+    pub fn bytes(shape: &VerifyShape) -> u64 {
+        let (b, w, v) = (
+            shape.max_rows as u64,
+            shape.cols as u64,
+            shape.vocab_rows as u64,
+        );
+        let k = w - 1;
+        let top = if shape.kind == ProposalKind::Top16 {
+            2 * b * k * TOP as u64
+        } else {
+            0
+        };
+        4 * (b * v + b * w * v + 2 * b * w + b * k + top + b * (7 + 2 + 1 + 1 + 1 + 1 + 1))
+    }
+
+    /// Device bytes this workspace holds now (always [`Self::bytes`] of its shape: nothing is
+    /// allocated after [`Self::new`]).
+    pub fn device_bytes(&self) -> u64 {
+        fn bytes<T: Element>(b: &Buffer<T>) -> u64 {
+            (b.len() * std::mem::size_of::<T>()) as u64
+        }
+        let s = &self.sampling;
+        bytes(&self.live)
+            + bytes(&self.col_start)
+            + bytes(&self.counts)
+            + bytes(&self.proposals)
+            + bytes(&self.q)
+            + bytes(&self.ids)
+            + bytes(&s.temperature)
+            + bytes(&s.top_k)
+            + bytes(&s.top_p)
+            + bytes(&s.min_p)
+            + bytes(&s.repetition_penalty)
+            + bytes(&s.frequency_penalty)
+            + bytes(&s.presence_penalty)
+            + bytes(&self.seeds)
+            + bytes(&self.start_pos)
+            + bytes(&self.p)
+            + bytes(&self.greedy)
+            + bytes(&self.accepted)
+            + bytes(&self.out_tokens)
+            + bytes(&self.out_len)
+    }
+
     /// The largest frontier a row may have (`F + W` stays below 2^31, the device position
     /// format).
     pub fn max_frontier(&self) -> u64 {
         i32::MAX as u64 - self.shape.cols as u64
     }
 
-    /// Verify a batch of `rows.len() <= B` rows against the target's logits
-    /// (`[rows.len(), W, vocab_rows]` f32 on `be`, from `Target::verify`; dead columns are
-    /// never read) and return each row's outcome, in row order.
+    /// Verify a batch of `rows.len() <= B` rows against the target's logits (F32 or BF16,
+    /// padded `[rows.len(), W, vocab_rows]` or packed, on `be`, from `Target::verify`; dead
+    /// columns are never read) and return each row's outcome, in row order.
     ///
     /// Validates everything first (see the crate docs); a refused call writes nothing. An
-    /// empty batch returns an empty vector.
+    /// empty batch returns an empty vector. The ops run on exactly `rows.len()` rows of the
+    /// workspace's buffers; nothing is allocated.
     pub fn verify(
         &mut self,
         be: &Backend,
         rows: &[VerifyRow<'_>],
-        logits: &Buffer<f32>,
+        logits: TargetLogits<'_>,
     ) -> Result<Vec<RoundOutcome>> {
-        self.validate(be, rows, logits)?;
+        self.validate(be, rows, &logits)?;
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        self.stage(be, rows)?;
-        self.launch(be, rows.len(), logits)?;
+        self.stage(be, rows, logits.layout)?;
+        self.launch(be, rows.len(), logits.values)?;
         self.read_outcomes(be, rows)
     }
 
-    fn validate(&self, be: &Backend, rows: &[VerifyRow<'_>], logits: &Buffer<f32>) -> Result<()> {
+    /// Each row's first logits column in `layout` with `w` columns a row (`r * w` padded; the
+    /// `P + 1` live columns of the rows before it, packed).
+    fn first_columns<'r>(
+        w: usize,
+        rows: &'r [VerifyRow<'_>],
+        layout: LogitsLayout,
+    ) -> impl Iterator<Item = usize> + 'r {
+        rows.iter().enumerate().scan(0usize, move |next, (r, row)| {
+            let start = match layout {
+                LogitsLayout::Padded => r * w,
+                LogitsLayout::Packed => *next,
+            };
+            *next += row.proposals.len() + 1;
+            Some(start)
+        })
+    }
+
+    fn validate(
+        &self,
+        be: &Backend,
+        rows: &[VerifyRow<'_>],
+        logits: &TargetLogits<'_>,
+    ) -> Result<()> {
         let VerifyShape {
             max_rows,
             cols,
@@ -405,11 +549,18 @@ impl VerifyWorkspace {
         if n > max_rows {
             return Err(VerifyError::BatchTooLarge { rows: n, max_rows });
         }
-        let expected = n * cols * vocab_rows;
-        if logits.len() != expected {
+        // Whole units (padded rows or vocabulary columns), at least the batch's.
+        let (unit, units) = match logits.layout {
+            LogitsLayout::Padded => (cols * vocab_rows, n),
+            LogitsLayout::Packed => (vocab_rows, rows.iter().map(|r| r.proposals.len() + 1).sum()),
+        };
+        let found = logits.values.len();
+        if !found.is_multiple_of(unit) || found / unit < units {
             return Err(VerifyError::LogitsLength {
-                found: logits.len(),
-                expected,
+                found,
+                expected: units * unit,
+                unit,
+                layout: logits.layout,
                 rows: n,
                 cols,
                 vocab_rows,
@@ -419,26 +570,19 @@ impl VerifyWorkspace {
             self.validate_row(r, row)?;
         }
         if be.is_cpu() && n > 0 {
-            let host = logits.host("dflash-verify", "logits")?;
-            for (r, row) in rows.iter().enumerate() {
+            let starts = Self::first_columns(cols, rows, logits.layout);
+            for ((r, row), first) in rows.iter().enumerate().zip(starts) {
                 for i in 0..=row.proposals.len() {
-                    let base = (r * cols + i) * vocab_rows;
-                    let col = &host[base..base + public_vocab];
-                    if let Some(v) = col.iter().position(|x| x.is_nan() || *x == f32::INFINITY) {
-                        return Err(VerifyError::BadLogit {
-                            row: r,
-                            column: i,
-                            token: v,
-                            value: col[v],
-                        });
-                    }
-                    if !col.iter().any(|x| x.is_finite()) {
-                        return Err(VerifyError::BadLogit {
-                            row: r,
-                            column: i,
-                            token: 0,
-                            value: col[0],
-                        });
+                    let base = (first + i) * vocab_rows;
+                    match logits.values {
+                        Logits::F32(b) => {
+                            let host = b.host("dflash-verify", "logits")?;
+                            check_logits(r, i, &host[base..base + public_vocab], |x| x)?;
+                        }
+                        Logits::Bf16(b) => {
+                            let host = b.host("dflash-verify", "logits")?;
+                            check_logits(r, i, &host[base..base + public_vocab], |x| x.to_f32())?;
+                        }
                     }
                 }
             }
@@ -546,17 +690,14 @@ impl VerifyWorkspace {
         Ok(())
     }
 
-    /// Write the round's metadata (all rows validated).
-    fn stage(&mut self, be: &Backend, rows: &[VerifyRow<'_>]) -> Result<()> {
-        let VerifyShape {
-            max_rows: b,
-            cols: w,
-            kind,
-            ..
-        } = self.shape;
+    /// Write the round's metadata of the `rows.len()` rows (all validated) into the first rows
+    /// of the device buffers.
+    fn stage(&mut self, be: &Backend, rows: &[VerifyRow<'_>], layout: LogitsLayout) -> Result<()> {
+        let VerifyShape { cols: w, kind, .. } = self.shape;
         let k = w - 1;
         let s = &mut self.staging;
         s.live.clear();
+        s.col_start.clear();
         s.proposals.clear();
         s.q.clear();
         s.ids.clear();
@@ -569,25 +710,18 @@ impl VerifyWorkspace {
         s.pres.clear();
         s.seeds.clear();
         s.start_pos.clear();
-        for slot in 0..b {
-            // Padding slots verify one greedy column with every penalty off (their stale counts
-            // then have no effect) and are discarded.
-            let row = rows.get(slot);
-            let np = row.map_or(0, |r| r.proposals.len());
+        for (row, first) in rows.iter().zip(Self::first_columns(w, rows, layout)) {
+            let np = row.proposals.len();
             s.live.push(np as i32 + 1);
+            // At most B * W < 2^31 (checked in `new`).
+            s.col_start.push(first as i32);
             for j in 0..k {
-                s.proposals.push(
-                    row.and_then(|r| r.proposals.get(j))
-                        .map_or(0, |&d| d as i32),
-                );
+                s.proposals
+                    .push(row.proposals.get(j).map_or(0, |&d| d as i32));
             }
-            if kind == ProposalKind::Top16 {
+            if let ProposalDist::Top16(qs) = row.dist {
                 for j in 0..k {
-                    let rq = row.and_then(|r| match r.dist {
-                        ProposalDist::Top16(qs) => qs.get(j),
-                        ProposalDist::OneHot => None,
-                    });
-                    match rq {
+                    match qs.get(j) {
                         Some(rq) => {
                             s.q.extend_from_slice(&rq.q);
                             s.ids.extend(rq.ids.iter().map(|&id| id as i32));
@@ -599,7 +733,7 @@ impl VerifyWorkspace {
                     }
                 }
             }
-            let st = row.map_or(SamplingSettings::GREEDY, |r| r.settings);
+            let st = row.settings;
             s.temperature.push(st.temperature);
             s.top_k.push(st.top_k);
             s.top_p.push(st.top_p);
@@ -607,13 +741,13 @@ impl VerifyWorkspace {
             s.rep.push(st.repetition_penalty);
             s.freq.push(st.frequency_penalty);
             s.pres.push(st.presence_penalty);
-            let seed = row.map_or(0, |r| r.seed);
-            s.seeds.push(seed as u32 as i32);
-            s.seeds.push((seed >> 32) as u32 as i32);
+            s.seeds.push(row.seed as u32 as i32);
+            s.seeds.push((row.seed >> 32) as u32 as i32);
             // Validated: frontier <= max_frontier < 2^31.
-            s.start_pos.push(row.map_or(0, |r| r.frontier as i32));
+            s.start_pos.push(row.frontier as i32);
         }
         be.write(&mut self.live, 0, &s.live)?;
+        be.write(&mut self.col_start, 0, &s.col_start)?;
         be.write(&mut self.proposals, 0, &s.proposals)?;
         if kind == ProposalKind::Top16 {
             be.write(&mut self.q, 0, &s.q)?;
@@ -675,38 +809,29 @@ impl VerifyWorkspace {
         Ok(())
     }
 
-    /// Run `target_distribution` and `chain_accept` over all `B` slots.
-    fn launch(&mut self, be: &Backend, n: usize, logits: &Buffer<f32>) -> Result<()> {
+    /// Run `target_distribution` and `chain_accept` over the first `n` rows.
+    fn launch(&mut self, be: &Backend, n: usize, logits: Logits<'_>) -> Result<()> {
         let VerifyShape {
-            max_rows: b,
             cols,
             vocab_rows,
             public_vocab,
             kind,
+            ..
         } = self.shape;
-        let logits: &Buffer<f32> = if n == b {
-            logits
-        } else {
-            if self.padded_logits.is_none() {
-                self.padded_logits = Some(be.zeros(b * cols * vocab_rows)?);
-            }
-            let padded = self
-                .padded_logits
-                .as_mut()
-                .ok_or_else(|| shape_err("max_rows", b, "a padded logits buffer".into()))?;
-            be.copy(logits, 0, padded, 0, n * cols * vocab_rows)?;
-            padded
-        };
-        target_distribution::run(
+        target_distribution::run_with(
             be,
             logits,
+            target_distribution::Columns::Starts(&self.col_start),
             &self.live,
             &self.counts,
             &self.proposals,
             &self.sampling.view(),
-            &mut self.p,
+            target_distribution::Outputs::Live {
+                p: &mut self.p,
+                greedy: &mut self.greedy,
+            },
             &target_distribution::Params {
-                rows: b,
+                rows: n,
                 cols,
                 vocab: vocab_rows,
                 public_vocab,
@@ -719,9 +844,12 @@ impl VerifyWorkspace {
                 ids: &self.ids,
             },
         };
-        chain_accept::run(
+        chain_accept::run_with(
             be,
-            &self.p,
+            chain_accept::Distributions::Live {
+                p: &self.p,
+                greedy: &self.greedy,
+            },
             &self.proposals,
             &self.live,
             proposal,
@@ -733,7 +861,7 @@ impl VerifyWorkspace {
                 out_len: &mut self.out_len,
             },
             &chain_accept::Params {
-                rows: b,
+                rows: n,
                 cols,
                 vocab: vocab_rows,
             },
@@ -783,6 +911,31 @@ impl VerifyWorkspace {
         }
         Ok(out)
     }
+}
+
+/// The logits checks of the `target_distribution` contract for live column `i` of row `r`
+/// (its public logits, widened to f32), as typed errors.
+fn check_logits<T: Copy>(r: usize, i: usize, col: &[T], f32_of: impl Fn(T) -> f32) -> Result<()> {
+    if let Some(v) = col
+        .iter()
+        .position(|&x| f32_of(x).is_nan() || f32_of(x) == f32::INFINITY)
+    {
+        return Err(VerifyError::BadLogit {
+            row: r,
+            column: i,
+            token: v,
+            value: f32_of(col[v]),
+        });
+    }
+    if !col.iter().any(|&x| f32_of(x).is_finite()) {
+        return Err(VerifyError::BadLogit {
+            row: r,
+            column: i,
+            token: 0,
+            value: col.first().map_or(f32::NAN, |&x| f32_of(x)),
+        });
+    }
+    Ok(())
 }
 
 /// The settings checks of the `target_distribution` contract, as typed errors.

@@ -9,7 +9,7 @@ use dflash_ops::rng::{self, Purpose};
 use dflash_ops::{Backend, Buffer};
 use dflash_verify::{
     OutputKind, ProposalDist, ProposalKind, QFault, RetainedQ, RoundOutcome, SamplingSettings, TOP,
-    TokenHistory, TokenRole, VerifyError, VerifyRow, VerifyShape, VerifyWorkspace,
+    TargetLogits, TokenHistory, TokenRole, VerifyError, VerifyRow, VerifyShape, VerifyWorkspace,
 };
 use proptest::prelude::*;
 
@@ -280,7 +280,9 @@ fn greedy_accepts_matching_prefix_then_corrects() {
             frontier: 1,
             history: &hist,
         };
-        ws.verify(&be, &[row], &logits).expect("verify").remove(0)
+        ws.verify(&be, &[row], TargetLogits::padded(&logits))
+            .expect("verify")
+            .remove(0)
     };
     // d = [2, 2, ..]: d_1 matches, d_2 = 2 is rejected (penalized), correction 3.
     let o = run(&mut ws, &[2, 2, 4]);
@@ -357,7 +359,7 @@ fn draws_use_the_documented_positions_and_purposes() {
                     frontier: f,
                     history: &hist,
                 }],
-                &logits,
+                TargetLogits::padded(&logits),
             )
             .expect("verify")
             .remove(0);
@@ -492,7 +494,8 @@ fn run_greedy(c: &GreedyCase, ws: &mut VerifyWorkspace) -> Vec<RoundOutcome> {
             history: hist,
         })
         .collect();
-    ws.verify(&be, &rows, &logits).expect("verify")
+    ws.verify(&be, &rows, TargetLogits::padded(&logits))
+        .expect("verify")
 }
 
 proptest! {
@@ -699,7 +702,9 @@ fn library_streams(kind: ProposalKind, n: u64) -> Vec<(u32, u32)> {
                 history: &hist,
             })
             .collect();
-        let outcomes = ws.verify(&be, &rows, &logits).expect("verify");
+        let outcomes = ws
+            .verify(&be, &rows, TargetLogits::padded(&logits))
+            .expect("verify");
         for (i, o) in outcomes.iter().enumerate() {
             let y1 = o.outputs()[0];
             let y2 = if o.len() >= 2 {
@@ -996,7 +1001,8 @@ fn run_mixed(
             history: &r.hist,
         })
         .collect();
-    ws.verify(&be, &vr, &logits).expect("verify")
+    ws.verify(&be, &vr, TargetLogits::padded(&logits))
+        .expect("verify")
 }
 
 /// Permuting batch rows permutes the outcomes and changes nothing else: each row's outcome is
@@ -1096,7 +1102,7 @@ fn try_verify<'a>(
         .collect();
     edit(&mut vr, &mut logits);
     let logits = be.upload(&logits).expect("upload");
-    ws.verify(&be, &vr, &logits)
+    ws.verify(&be, &vr, TargetLogits::padded(&logits))
 }
 
 #[test]
@@ -1424,5 +1430,235 @@ fn bad_inputs_give_typed_errors_and_change_nothing() {
     // An empty batch is fine.
     let mut ws3 = VerifyWorkspace::new(&be, shape).expect("workspace");
     let empty = be.upload::<f32>(&[]).expect("upload");
-    assert!(ws3.verify(&be, &[], &empty).expect("empty").is_empty());
+    assert!(
+        ws3.verify(&be, &[], TargetLogits::padded(&empty))
+            .expect("empty")
+            .is_empty()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Logits dtypes and layouts, live rows only.
+
+/// Verify `rows` against logits built by `logits_of` (the rows' `[W, V]` logits in, the
+/// buffer's f32 values out) in `layout`, as f32 or as the bf16 rounding of those values.
+fn run_with_logits(
+    ws: &mut VerifyWorkspace,
+    rows: &[&MixedRow],
+    kind: ProposalKind,
+    layout: dflash_verify::LogitsLayout,
+    bf16: bool,
+    values: &[f32],
+) -> Result<Vec<RoundOutcome>, VerifyError> {
+    let be = Backend::cpu();
+    let vr: Vec<VerifyRow<'_>> = rows
+        .iter()
+        .map(|r| VerifyRow {
+            anchor: r.hist.last().expect("history"),
+            proposals: &r.props,
+            dist: match kind {
+                ProposalKind::OneHot => ProposalDist::OneHot,
+                ProposalKind::Top16 => ProposalDist::Top16(&r.q),
+            },
+            settings: r.s,
+            seed: r.seed,
+            frontier: r.hist.len() - 1,
+            history: &r.hist,
+        })
+        .collect();
+    let lf = be.upload(values).expect("upload");
+    let rounded: Vec<dflash_ops::bf16> = values
+        .iter()
+        .map(|&x| dflash_ops::bf16::from_f32(x))
+        .collect();
+    let lb = be.upload(&rounded).expect("upload");
+    let values = if bf16 {
+        dflash_verify::Logits::Bf16(&lb)
+    } else {
+        dflash_verify::Logits::F32(&lf)
+    };
+    ws.verify(&be, &vr, TargetLogits { values, layout })
+}
+
+/// Padded `[n, W, V]` logits of `rows` (dead columns hold `dead`) and the packed logits of
+/// their live columns.
+fn padded_and_packed(rows: &[&MixedRow], v: usize, dead: f32) -> (Vec<f32>, Vec<f32>) {
+    let (mut padded, mut packed) = (Vec::new(), Vec::new());
+    for r in rows {
+        let q = r.props.len() + 1;
+        packed.extend_from_slice(&r.logits[..q * v]);
+        padded.extend_from_slice(&r.logits[..q * v]);
+        padded.extend(std::iter::repeat_n(dead, r.logits.len() - q * v));
+    }
+    (padded, packed)
+}
+
+#[test]
+fn bf16_logits_verify_like_their_f32_widening() {
+    use dflash_verify::LogitsLayout::{Packed, Padded};
+    let (w, v, pv) = (6, 80, 70);
+    for kind in [ProposalKind::OneHot, ProposalKind::Top16] {
+        let rows = mixed_rows(7, w, v, pv, 123);
+        let all: Vec<&MixedRow> = rows.iter().collect();
+        let (padded, packed) = padded_and_packed(&all, v, 0.0);
+        let widen = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|&l| dflash_ops::bf16::from_f32(l).to_f32())
+                .collect()
+        };
+        assert!(
+            widen(&padded).iter().zip(&padded).any(|(a, b)| a != b),
+            "the rounding to bf16 changes the logits"
+        );
+        let mut ws = workspace(8, w, v, pv, kind);
+        for (layout, values) in [(Padded, &padded), (Packed, &packed)] {
+            let from_bf16 =
+                run_with_logits(&mut ws, &all, kind, layout, true, values).expect("bf16");
+            let widened =
+                run_with_logits(&mut ws, &all, kind, layout, false, &widen(values)).expect("f32");
+            assert_eq!(from_bf16, widened, "{kind:?}, {layout}");
+            assert!(
+                from_bf16.iter().any(|o| o.accepted() > 0),
+                "fixture accepts"
+            );
+        }
+    }
+}
+
+#[test]
+fn packed_logits_verify_like_padded_logits() {
+    use dflash_verify::LogitsLayout::{Packed, Padded};
+    let (w, v, pv) = (6, 80, 70);
+    for kind in [ProposalKind::OneHot, ProposalKind::Top16] {
+        let rows = mixed_rows(8, w, v, pv, 321);
+        let all: Vec<&MixedRow> = rows.iter().collect();
+        assert!(
+            all.iter().any(|r| r.props.len() + 1 < w),
+            "some row has dead columns"
+        );
+        // Dead padded columns hold NaN: never read.
+        let (padded, packed) = padded_and_packed(&all, v, f32::NAN);
+        let mut ws = workspace(8, w, v, pv, kind);
+        let base = run_mixed(&mut ws, &all, kind);
+        for bf16 in [false, true] {
+            let a = run_with_logits(&mut ws, &all, kind, Padded, bf16, &padded).expect("padded");
+            let b = run_with_logits(&mut ws, &all, kind, Packed, bf16, &packed).expect("packed");
+            assert_eq!(a, b, "{kind:?}, bf16 {bf16}");
+            if !bf16 {
+                assert_eq!(
+                    a, base,
+                    "{kind:?}: NaN in dead padded columns is never read"
+                );
+            }
+        }
+        // Every sub-batch, packed, gives each row its outcome of the full batch.
+        for n in 1..=all.len() {
+            let sub = &all[all.len() - n..];
+            let (_, packed) = padded_and_packed(sub, v, 0.0);
+            let got = run_with_logits(&mut ws, sub, kind, Packed, false, &packed).expect("sub");
+            assert_eq!(
+                got[..],
+                base[all.len() - n..],
+                "{kind:?}: last {n} rows packed"
+            );
+        }
+    }
+}
+
+#[test]
+fn logits_must_hold_every_live_column_in_their_layout() {
+    use dflash_verify::LogitsLayout::{Packed, Padded};
+    let (w, v, pv) = (6, 80, 70);
+    let rows = mixed_rows(3, w, v, pv, 77);
+    let all: Vec<&MixedRow> = rows.iter().collect();
+    let (padded, packed) = padded_and_packed(&all, v, 0.0);
+    let mut ws = workspace(4, w, v, pv, ProposalKind::OneHot);
+    let good = run_with_logits(&mut ws, &all, ProposalKind::OneHot, Packed, false, &packed)
+        .expect("packed");
+    let refused = |ws: &mut VerifyWorkspace, layout, values: &[f32]| {
+        let r = run_with_logits(ws, &all, ProposalKind::OneHot, layout, false, values);
+        assert!(
+            matches!(r, Err(VerifyError::LogitsLength { layout: l, .. }) if l == layout),
+            "{layout}: {r:?}"
+        );
+    };
+    refused(&mut ws, Packed, &packed[..packed.len() - v]); // one live column short
+    refused(&mut ws, Packed, &packed[..packed.len() - 1]); // not whole columns
+    refused(&mut ws, Padded, &padded[..padded.len() - w * v]); // one row short
+    refused(&mut ws, Padded, &packed); // packed data passed as padded: not whole rows
+    // A buffer planned for more (whole units) is fine: only the batch's columns are read.
+    let mut longer = packed.clone();
+    longer.extend(std::iter::repeat_n(f32::NAN, 2 * v));
+    let got = run_with_logits(&mut ws, &all, ProposalKind::OneHot, Packed, false, &longer)
+        .expect("longer packed");
+    assert_eq!(got, good);
+    let mut longer = padded.clone();
+    longer.extend(std::iter::repeat_n(f32::NAN, w * v));
+    let got = run_with_logits(&mut ws, &all, ProposalKind::OneHot, Padded, false, &longer)
+        .expect("longer padded");
+    assert_eq!(got, good);
+    // The CPU checks of live logits follow the layout: NaN in row 1's first packed column.
+    let mut bad = packed.clone();
+    let first1 = all[0].props.len() + 1;
+    bad[first1 * v + 2] = f32::NAN;
+    let r = run_with_logits(&mut ws, &all, ProposalKind::OneHot, Packed, false, &bad);
+    assert!(
+        matches!(
+            r,
+            Err(VerifyError::BadLogit {
+                row: 1,
+                column: 0,
+                token: 2,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+}
+
+/// The workspace allocates everything in `new` (no padded logits copy: the Debug listing of
+/// its fields has none) and a batch of any size `n <= B` leaves its device buffers as they
+/// were planned, while each row gets the outcome it gets in any other batch.
+#[test]
+fn batches_of_every_size_run_on_their_rows_with_buffers_planned_once() {
+    let (w, v, pv) = (5, 64, 60);
+    for kind in [ProposalKind::OneHot, ProposalKind::Top16] {
+        let shape = VerifyShape {
+            max_rows: 8,
+            cols: w,
+            vocab_rows: v,
+            public_vocab: pv,
+            kind,
+        };
+        let mut ws = VerifyWorkspace::new(&Backend::cpu(), shape).expect("workspace");
+        let planned = VerifyWorkspace::bytes(&shape);
+        assert_eq!(ws.device_bytes(), planned);
+        assert!(
+            !format!("{ws:?}").contains("padded"),
+            "no padded logits buffer"
+        );
+        let rows = mixed_rows(8, w, v, pv, 4242);
+        let all: Vec<&MixedRow> = rows.iter().collect();
+        let base = run_mixed(&mut ws, &all, kind);
+        assert_eq!(ws.device_bytes(), planned);
+        for n in (1..=8).rev() {
+            let got = run_mixed(&mut ws, &all[8 - n..], kind);
+            assert_eq!(got[..], base[8 - n..], "{kind:?}, n = {n}");
+            assert_eq!(ws.device_bytes(), planned, "{kind:?}, n = {n}");
+        }
+    }
+    // The plan: p and counts dominate; 8 x 16 x 248320 f32 for p is the official worst case.
+    let official = VerifyShape {
+        max_rows: 8,
+        cols: 16,
+        vocab_rows: 248_320,
+        public_vocab: 248_077,
+        kind: ProposalKind::Top16,
+    };
+    let bytes = VerifyWorkspace::bytes(&official);
+    let p = 8 * 16 * 248_320 * 4;
+    assert!(
+        bytes > p && bytes < p + 8 * 248_320 * 4 + 100_000,
+        "{bytes}"
+    );
 }

@@ -5,7 +5,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::{Buffer, Result};
 
-use super::{OP, Outputs, Params, Proposal};
+use super::{Distributions, OP, Outputs, Params, Proposal};
 
 pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -17,7 +17,7 @@ const THREADS: u32 = 1024;
 
 pub(super) fn run(
     c: &CudaBackend,
-    p: &Buffer<f32>,
+    target: Distributions<'_>,
     proposals: &Buffer<i32>,
     live: &Buffer<i32>,
     proposal: Proposal<'_>,
@@ -30,7 +30,7 @@ pub(super) fn run(
         return Ok(());
     }
     let f = c.function(OP, SOURCE, "chain_accept_kernel")?;
-    // Static shapes, validated by `run` (rows < 2^32, cols <= 256, vocab <= 2^20).
+    // Static shapes, validated by `run_with` (rows < 2^32, cols <= 256, vocab <= 2^20).
     let rows = params.rows as i32;
     let cols = params.cols as i32;
     let vocab = params.vocab as i32;
@@ -38,6 +38,12 @@ pub(super) fn run(
         grid_dim: (params.rows as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
+    };
+    // Full: the kernel never reads `greedy` (has_greedy = 0); `live` is a well-typed
+    // placeholder.
+    let (p, greedy, has_greedy) = match target {
+        Distributions::Full(p) => (p, live, 0i32),
+        Distributions::Live { p, greedy } => (p, greedy, 1i32),
     };
     // OneHot: the kernel never reads q / ids (top16 = 0); pass `p` / `proposals` as
     // well-typed placeholders.
@@ -47,6 +53,8 @@ pub(super) fn run(
     };
     let mut b = c.stream().launch_builder(&f);
     b.arg(p.device(OP, "p")?);
+    b.arg(greedy.device(OP, "greedy")?);
+    b.arg(&has_greedy);
     b.arg(proposals.device(OP, "proposals")?);
     b.arg(live.device(OP, "live")?);
     b.arg(q.device(OP, "q")?);
@@ -61,7 +69,7 @@ pub(super) fn run(
     b.arg(&cols);
     b.arg(&vocab);
     // SAFETY: argument types and order match chain_accept_kernel; every length was checked by
-    // `run` against the static shape the kernel indexes with.
+    // `run_with` against the static shape the kernel indexes with.
     unsafe { b.launch(cfg) }.map_err(cuda_err("launching chain_accept_kernel"))?;
     Ok(())
 }

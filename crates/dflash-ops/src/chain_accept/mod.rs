@@ -3,11 +3,14 @@
 //!
 //! Semantics. Row `r` has `Q = live[r]` live verify columns and `P = Q - 1` proposals
 //! `d_1..d_P` (`d_j = proposals[r, j-1]`), start position `F = start_pos[r]` and seed
-//! `s = seeds[r, 0] as u32 | (seeds[r, 1] as u32) << 32`. `p_i = p[r, i, :]` is the processed
-//! target distribution of verify column `i` (from `target_distribution`). The proposal mass
-//! `q_i(v)` is a point mass at `d_(i+1)` ([`Proposal::OneHot`], DFlash) or the retained
-//! conditional q of the first of the 16 slots `ids[r, i, :]` holding `v`, 0 when none does
-//! ([`Proposal::Top16`], DFlash2).
+//! `s = seeds[r, 0] as u32 | (seeds[r, 1] as u32) << 32`. `p_i` is the processed target
+//! distribution of verify column `i` (from `target_distribution`), read from the
+//! [`Distributions`] form that op wrote: [`Distributions::Full`] `p_i = p[r, i, :]`;
+//! [`Distributions::Live`] `p_i = one_hot(g)` when `g = greedy[r, i] >= 0` (a greedy column:
+//! no element of `p` is read for it), else `p_i = p[r, i, :]` (`greedy[r, i] == -1`, a
+//! sampled column). The proposal mass `q_i(v)` is a point mass at `d_(i+1)`
+//! ([`Proposal::OneHot`], DFlash) or the retained conditional q of the first of the 16 slots
+//! `ids[r, i, :]` holding `v`, 0 when none does ([`Proposal::Top16`], DFlash2).
 //!
 //! 1. Acceptance scan, `i = 0, 1, .., P-1`: `x = d_(i+1)`,
 //!    `u = rng::uniform(s, F+1+i, Accept, 0)`; accept iff `f64(u) * f64(q_i(x)) < f64(p_i(x))`
@@ -35,31 +38,42 @@
 //!
 //! A one-hot `p` (greedy target) makes this exactly greedy verification: `d` is accepted iff
 //! `p(d) = 1` (`u * q < 1` always holds, `u * q < 0` never), and the correction or bonus is the
-//! argmax (the only positive weight). `P = 0` verifies only the anchor: the bonus is drawn from
-//! `p_0`. A row's result depends only on its own data, never on its row index.
+//! argmax (the only positive weight). The one-hot of a `Live` greedy column is the same `p`
+//! (1 at `g`, +0 elsewhere), taken through the same steps, so both forms decide bit for bit
+//! alike. `P = 0` verifies only the anchor: the bonus is drawn from `p_0`. A row's result
+//! depends only on its own data, never on its row index.
 //!
-//! Shapes. p: `[rows, cols, vocab]` f32; proposals: `[rows, cols-1]` i32; live, start_pos,
-//!   accepted, out_len: `[rows]` i32; seeds: `[rows, 2]` i32; Top16 q: `[rows, cols-1, 16]` f32,
-//!   ids: `[rows, cols-1, 16]` i32; out_tokens: `[rows, cols]` i32.
+//! Shapes. p: `[rows, cols, vocab]` f32; greedy: `[rows, cols]` i32; proposals:
+//!   `[rows, cols-1]` i32; live, start_pos, accepted, out_len: `[rows]` i32; seeds: `[rows, 2]`
+//!   i32; Top16 q: `[rows, cols-1, 16]` f32, ids: `[rows, cols-1, 16]` i32; out_tokens:
+//!   `[rows, cols]` i32. Row capacity: every tensor may hold more rows than `rows` (a
+//!   workspace planned once for B rows runs a round of `n <= B` rows with its B-row buffers):
+//!   its length is a whole number of its rows, at least `rows`; rows at or past `rows` are
+//!   never read or written.
 //! Rounding points. None: `u` is an exact 24-bit f32, `p` and `q` are read as f32 and widened
-//!   exactly; every comparison and sum is the f64 operation written above.
+//!   exactly (a greedy column's one-hot is exactly 1 and 0); every comparison and sum is the
+//!   f64 operation written above.
 //! Accumulation. Fixed (item 3): part of the contract, so CPU and CUDA decide identically.
 //! Tie-breaking. Inverse CDF in increasing id order; strict `>` against the target.
-//! Masking / live extents. Columns `> P` of `p`, proposals past `d_P` and Top16 slots past
-//!   `P-1` are never read.
+//! Masking / live extents. Columns `> P` of `p` and of `greedy`, the `p` row of a greedy
+//!   column, proposals past `d_P` and Top16 slots past `P-1` are never read.
 //! Caller guarantees (checked on the CPU, trusted on CUDA, where `live` is clamped to
-//!   `1..=cols` and out-of-range proposals are treated as `p(x) = 0`): `1 <= live <= cols`;
-//!   `start_pos >= 0`; proposals of live columns `< vocab`; `p` of live columns finite,
-//!   `>= 0`, with positive mass; Top16 slots of live proposals: ids `< vocab` and distinct, q
-//!   finite `>= 0`, and `d_(i+1)` is one of the ids with `q > 0`.
-//! Writes. Every element of `accepted`, `out_len` and `out_tokens` (entries past `L` are -1).
-//!   Inputs are never written.
+//!   `1..=cols`, out-of-range proposals are treated as `p(x) = 0`, any negative `greedy`
+//!   entry reads the `p` row and an entry `>= vocab` is a one-hot outside the vocabulary,
+//!   `p = 0` everywhere, so its draw falls back to token 0): `1 <= live <= cols`;
+//!   `start_pos >= 0`; proposals of live columns `< vocab`; `greedy` of live columns `-1` or
+//!   an id `< vocab`; `p` of live non-greedy columns finite, `>= 0`, with positive mass; Top16
+//!   slots of live proposals: ids `< vocab` and distinct, q finite `>= 0`, and `d_(i+1)` is
+//!   one of the ids with `q > 0`.
+//! Writes. Every element of `accepted`, `out_len` and `out_tokens` in rows `< rows` (entries
+//!   past `L` are -1). Inputs are never written.
 //! Comparison. All outputs exact.
 //!
 //! CUDA. One block of 1024 threads per row. Thread 0 runs the acceptance scan; the draw uses
 //! one warp per tile for the tile sums (lane sums + shuffle-down tree), thread 0 for the
 //! sequential `total`/`C_j` walk and for the running sum inside the chosen tile (staged in
-//! shared memory). All f64 operations are `_rn` intrinsics (no contraction).
+//! shared memory). A greedy column's `p(v)` is computed from its id (`v == g`), never loaded.
+//! All f64 operations are `_rn` intrinsics (no contraction).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -67,8 +81,12 @@ pub(crate) mod reference;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, Result, check_len, check_param};
+use crate::target_distribution::check_rows;
+use crate::{Backend, Buffer, Result, check_param};
 
 /// Registry id.
 pub const OP: &str = "chain_accept";
@@ -85,7 +103,8 @@ pub const MAX_COLS: usize = 256;
 /// Static shape of a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Params {
-    /// Requests in the batch.
+    /// Requests in the call (the launch rows; buffers may hold more, see the contract's row
+    /// capacity).
     pub rows: usize,
     /// Verify columns per request (W = K + 1), `1..=MAX_COLS`.
     pub cols: usize,
@@ -107,7 +126,23 @@ pub enum Proposal<'a> {
     },
 }
 
-/// Outputs of [`run`].
+/// Where the processed target distributions are read from: the two output forms of
+/// `target_distribution` ([`crate::target_distribution::Outputs`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Distributions<'a> {
+    /// `p: [rows, cols, vocab]` f32 of every live column (greedy columns one-hot).
+    Full(&'a Buffer<f32>),
+    /// `greedy: [rows, cols]` i32 (a greedy column's argmax, `-1` for a sampled column) and
+    /// `p: [rows, cols, vocab]` f32, read only for sampled columns.
+    Live {
+        /// Distributions of the sampled columns.
+        p: &'a Buffer<f32>,
+        /// Argmax of each greedy column, `-1` for each sampled one.
+        greedy: &'a Buffer<i32>,
+    },
+}
+
+/// Outputs of [`run`] and [`run_with`].
 #[derive(Debug)]
 pub struct Outputs<'a> {
     /// Accepted proposals `A`, `[rows]`.
@@ -118,12 +153,41 @@ pub struct Outputs<'a> {
     pub out_len: &'a mut Buffer<i32>,
 }
 
-/// Verify the proposal chains of a batch (see the module contract). Validates every shape and
-/// parameter (and, on the CPU, every value the contract constrains) before writing; a refused
-/// call leaves the outputs untouched.
+/// Verify the proposal chains of a batch against `p` of every live column (the same as
+/// [`run_with`] with [`Distributions::Full`]). Validates every shape and parameter (and, on
+/// the CPU, every value the contract constrains) before writing; a refused call leaves the
+/// outputs untouched.
 pub fn run(
     be: &Backend,
     p: &Buffer<f32>,
+    proposals: &Buffer<i32>,
+    live: &Buffer<i32>,
+    proposal: Proposal<'_>,
+    seeds: &Buffer<i32>,
+    start_pos: &Buffer<i32>,
+    out: Outputs<'_>,
+    params: &Params,
+) -> Result<()> {
+    run_with(
+        be,
+        Distributions::Full(p),
+        proposals,
+        live,
+        proposal,
+        seeds,
+        start_pos,
+        out,
+        params,
+    )
+}
+
+/// Verify the proposal chains of a batch (see the module contract), reading the target
+/// distributions in either form. Validates every shape and parameter (and, on the CPU, every
+/// value the contract constrains) before writing; a refused call leaves the outputs
+/// untouched.
+pub fn run_with(
+    be: &Backend,
+    target: Distributions<'_>,
     proposals: &Buffer<i32>,
     live: &Buffer<i32>,
     proposal: Proposal<'_>,
@@ -142,26 +206,29 @@ pub fn run(
     check_param(OP, "rows", rows <= u32::MAX as usize, rows, || {
         "rows below 2^32".into()
     })?;
-    let shape = || format!("[rows={rows}, cols={cols}, vocab={vocab}]");
-    check_len(OP, "p", p.len(), rows * cols * vocab, shape)?;
-    check_len(OP, "proposals", proposals.len(), rows * (cols - 1), || {
-        format!("[rows={rows}, cols-1={}]", cols - 1)
+    let column = || format!("[cols={cols}, vocab={vocab}]");
+    let one = || "[1]".to_string();
+    let per_col = || format!("[cols={cols}]");
+    match target {
+        Distributions::Full(p) => check_rows(OP, "p", p.len(), rows, cols * vocab, column)?,
+        Distributions::Live { p, greedy } => {
+            check_rows(OP, "p", p.len(), rows, cols * vocab, column)?;
+            check_rows(OP, "greedy", greedy.len(), rows, cols, per_col)?;
+        }
+    }
+    check_rows(OP, "proposals", proposals.len(), rows, cols - 1, || {
+        format!("[cols-1={}]", cols - 1)
     })?;
-    let per_row = || format!("[rows={rows}]");
-    check_len(OP, "live", live.len(), rows, per_row)?;
-    check_len(OP, "start_pos", start_pos.len(), rows, per_row)?;
-    check_len(OP, "seeds", seeds.len(), 2 * rows, || {
-        format!("[rows={rows}, 2]")
-    })?;
-    check_len(OP, "accepted", out.accepted.len(), rows, per_row)?;
-    check_len(OP, "out_len", out.out_len.len(), rows, per_row)?;
-    check_len(OP, "out_tokens", out.out_tokens.len(), rows * cols, || {
-        format!("[rows={rows}, cols={cols}]")
-    })?;
+    check_rows(OP, "live", live.len(), rows, 1, one)?;
+    check_rows(OP, "start_pos", start_pos.len(), rows, 1, one)?;
+    check_rows(OP, "seeds", seeds.len(), rows, 2, || "[2]".into())?;
+    check_rows(OP, "accepted", out.accepted.len(), rows, 1, one)?;
+    check_rows(OP, "out_len", out.out_len.len(), rows, 1, one)?;
+    check_rows(OP, "out_tokens", out.out_tokens.len(), rows, cols, per_col)?;
     if let Proposal::Top16 { q, ids } = proposal {
-        let shape = || format!("[rows={rows}, cols-1={}, 16]", cols - 1);
-        check_len(OP, "q", q.len(), rows * (cols - 1) * TOP, shape)?;
-        check_len(OP, "ids", ids.len(), rows * (cols - 1) * TOP, shape)?;
+        let slots = || format!("[cols-1={}, 16]", cols - 1);
+        check_rows(OP, "q", q.len(), rows, (cols - 1) * TOP, slots)?;
+        check_rows(OP, "ids", ids.len(), rows, (cols - 1) * TOP, slots)?;
     }
     if rows == 0 {
         return Ok(());
@@ -175,8 +242,15 @@ pub fn run(
                     ids: ids.host(OP, "ids")?,
                 },
             };
+            let (p, greedy) = match target {
+                Distributions::Full(p) => (p.host(OP, "p")?, None),
+                Distributions::Live { p, greedy } => {
+                    (p.host(OP, "p")?, Some(greedy.host(OP, "greedy")?))
+                }
+            };
             reference::run(
-                p.host(OP, "p")?,
+                p,
+                greedy,
                 proposals.host(OP, "proposals")?,
                 live.host(OP, "live")?,
                 &hp,
@@ -190,7 +264,7 @@ pub fn run(
         }
         #[cfg(feature = "cuda")]
         Backend::Cuda(c) => cuda::run(
-            c, p, proposals, live, proposal, seeds, start_pos, out, params,
+            c, target, proposals, live, proposal, seeds, start_pos, out, params,
         ),
     }
 }
@@ -198,9 +272,11 @@ pub fn run(
 // ---------------------------------------------------------------------------------------------
 // Conformance cases.
 
+#[cfg(any(test, feature = "conformance"))]
 use crate::target_distribution::Gen;
 
 /// Deterministic inputs of one case.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) struct CaseData {
     pub(crate) p: Vec<f32>,
     pub(crate) proposals: Vec<i32>,
@@ -215,12 +291,27 @@ pub(crate) struct CaseData {
 /// greedy with a mismatch (early reject), soft `p` with proposals at the mode, soft `p` with
 /// random proposals, and `P = 0`. Soft columns put most mass on a few strong tokens and the
 /// rest on a sparse background; every row's live columns are valid distributions.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn case_data(
     rows: usize,
     cols: usize,
     vocab: usize,
     top16: bool,
     seed: u64,
+) -> CaseData {
+    case_data_from(rows, cols, vocab, top16, seed, 0)
+}
+
+/// [`case_data`] with row `r` of behaviour `(r + first_kind) % 5` (so that a one-row case can
+/// be any of them; row 0 is always fully live unless its behaviour is `P = 0`).
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) fn case_data_from(
+    rows: usize,
+    cols: usize,
+    vocab: usize,
+    top16: bool,
+    seed: u64,
+    first_kind: usize,
 ) -> CaseData {
     let mut g = Gen::new(seed);
     let k = cols - 1;
@@ -232,7 +323,7 @@ pub(crate) fn case_data(
     let mut seeds = vec![0i32; 2 * rows];
     let mut start_pos = vec![0i32; rows];
     for r in 0..rows {
-        let kind = r % 5;
+        let kind = (r + first_kind) % 5;
         live[r] = match kind {
             4 => 1,
             _ if r == 0 => cols as i32,
@@ -315,6 +406,7 @@ pub(crate) fn case_data(
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     rows: usize,
     cols: usize,
@@ -398,7 +490,126 @@ fn case(
     }
 }
 
+/// The `Live` form of a case's distributions: a column whose `p` is one-hot (the greedy rows)
+/// becomes its id in `greedy` and the poison in `p` (never read); every other live column
+/// keeps its `p` row with `greedy = -1`; dead columns hold the poison in both.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) fn live_distributions(d: &CaseData, cols: usize, vocab: usize) -> (Vec<f32>, Vec<i32>) {
+    let mut p = vec![f32::POISON; d.p.len()];
+    let mut greedy = vec![i32::POISON; d.live.len() * cols];
+    for (r, &q) in d.live.iter().enumerate() {
+        for i in 0..q as usize {
+            let rc = r * cols + i;
+            let col = &d.p[rc * vocab..(rc + 1) * vocab];
+            let mut nonzero = col.iter().enumerate().filter(|(_, x)| **x != 0.0);
+            match (nonzero.next(), nonzero.next()) {
+                (Some((id, 1.0)), None) => greedy[rc] = id as i32,
+                _ => {
+                    greedy[rc] = -1;
+                    p[rc * vocab..(rc + 1) * vocab].copy_from_slice(col);
+                }
+            }
+        }
+    }
+    (p, greedy)
+}
+
+/// A case of the `Live` form ([`Distributions::Live`]): greedy rows carry only their ids and
+/// a poisoned `p` (the kernel must never read it), rows start at kind `first_kind` of
+/// [`case_data`]'s cycle.
+#[cfg(any(test, feature = "conformance"))]
+fn live_case(
+    rows: usize,
+    cols: usize,
+    vocab: usize,
+    top16: bool,
+    seed: u64,
+    first_kind: usize,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let d = case_data_from(rows, cols, vocab, top16, seed, first_kind);
+        let (p_live, greedy_ids) = live_distributions(&d, cols, vocab);
+        let mut inputs = InputCheck::default();
+        let p = inputs.upload(be, "p", &p_live)?;
+        let greedy = inputs.upload(be, "greedy", &greedy_ids)?;
+        let proposals = inputs.upload(be, "proposals", &d.proposals)?;
+        let live = inputs.upload(be, "live", &d.live)?;
+        let q = inputs.upload(be, "q", &d.q)?;
+        let ids = inputs.upload(be, "ids", &d.ids)?;
+        let seeds = inputs.upload(be, "seeds", &d.seeds)?;
+        let start_pos = inputs.upload(be, "start_pos", &d.start_pos)?;
+        let mut accepted = be.filled(rows, i32::POISON)?;
+        let mut out_tokens = be.filled(rows * cols, i32::POISON)?;
+        let mut out_len = be.filled(rows, i32::POISON)?;
+        let proposal = if top16 {
+            Proposal::Top16 { q: &q, ids: &ids }
+        } else {
+            Proposal::OneHot
+        };
+        run_with(
+            be,
+            Distributions::Live {
+                p: &p,
+                greedy: &greedy,
+            },
+            &proposals,
+            &live,
+            proposal,
+            &seeds,
+            &start_pos,
+            Outputs {
+                accepted: &mut accepted,
+                out_tokens: &mut out_tokens,
+                out_len: &mut out_len,
+            },
+            &Params { rows, cols, vocab },
+        )?;
+        let mut modified = Vec::new();
+        inputs.verify(be, "p", &p, &mut modified)?;
+        inputs.verify(be, "greedy", &greedy, &mut modified)?;
+        inputs.verify(be, "proposals", &proposals, &mut modified)?;
+        inputs.verify(be, "live", &live, &mut modified)?;
+        inputs.verify(be, "q", &q, &mut modified)?;
+        inputs.verify(be, "ids", &ids, &mut modified)?;
+        inputs.verify(be, "seeds", &seeds, &mut modified)?;
+        inputs.verify(be, "start_pos", &start_pos, &mut modified)?;
+        let mut outputs = vec![
+            output(
+                "accepted",
+                Criterion::Exact,
+                &vec![i32::POISON; rows],
+                &be.download(&accepted)?,
+                |_| true,
+            ),
+            output(
+                "out_tokens",
+                Criterion::Exact,
+                &vec![i32::POISON; rows * cols],
+                &be.download(&out_tokens)?,
+                |_| true,
+            ),
+            output(
+                "out_len",
+                Criterion::Exact,
+                &vec![i32::POISON; rows],
+                &be.download(&out_len)?,
+                |_| true,
+            ),
+        ];
+        if rows == 1 {
+            // A single row's A and L are one element each: constant by construction.
+            outputs[0].allow_constant = true;
+            outputs[2].allow_constant = true;
+        }
+        Ok(CaseRun {
+            outputs,
+            modified_inputs: modified,
+        })
+    }
+}
+
 /// Conformance cases.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     use crate::target_distribution::OFFICIAL_VOCAB as V;
     vec![
@@ -428,6 +639,39 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "rows8_cols16_official_vocab_onehot",
             case(8, 16, V, false, 26),
+        )
+        .heavy(),
+        // The `Live` form: greedy columns as ids over a poisoned p, sampled columns as p rows.
+        Case::new(
+            OP,
+            "rows8_cols16_v4096_live_onehot",
+            live_case(8, 16, 4096, false, 27, 0),
+        ),
+        Case::new(
+            OP,
+            "rows8_cols16_v4096_live_top16",
+            live_case(8, 16, 4096, true, 28, 0),
+        ),
+        Case::new(
+            OP,
+            "rows1_cols16_official_vocab_live_greedy_correction_top16",
+            live_case(1, 16, V, true, 29, 1),
+        ),
+        Case::new(
+            OP,
+            "rows1_cols16_official_vocab_live_sampled_onehot",
+            live_case(1, 16, V, false, 30, 3),
+        ),
+        Case::new(
+            OP,
+            "rows8_cols16_official_vocab_live_onehot",
+            live_case(8, 16, V, false, 31, 0),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "rows8_cols16_official_vocab_live_top16",
+            live_case(8, 16, V, true, 32, 0),
         )
         .heavy(),
     ]

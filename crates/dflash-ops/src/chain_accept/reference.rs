@@ -48,17 +48,55 @@ impl ColumnQ<'_> {
     }
 }
 
+/// The target distribution `p_i` of one column: a stored row, or the one-hot of a greedy
+/// column's argmax (1 at `id`, +0 elsewhere: exactly the row `target_distribution` stores).
+#[derive(Clone, Copy)]
+pub(crate) enum PColumn<'a> {
+    /// A stored `p` row (`vocab` elements).
+    Row(&'a [f32]),
+    /// A greedy column: `p(v) = 1` at `v == id`, else 0 (`id` may lie outside the vocabulary:
+    /// then `p = 0` everywhere).
+    OneHot {
+        /// The argmax.
+        id: usize,
+        /// Vocabulary rows.
+        vocab: usize,
+    },
+}
+
+impl PColumn<'_> {
+    fn len(&self) -> usize {
+        match *self {
+            PColumn::Row(p) => p.len(),
+            PColumn::OneHot { vocab, .. } => vocab,
+        }
+    }
+
+    pub(crate) fn at(&self, v: usize) -> f32 {
+        match *self {
+            PColumn::Row(p) => p[v],
+            PColumn::OneHot { id, .. } => {
+                if v == id {
+                    1.0
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
 /// The draw weight `w(v)`: `p(v)` for the bonus, `max(p(v) - q(v), 0)` for a correction.
-fn weight(p: &[f32], q: &ColumnQ<'_>, v: usize) -> f64 {
+fn weight(p: &PColumn<'_>, q: &ColumnQ<'_>, v: usize) -> f64 {
     match q {
-        ColumnQ::None => f64::from(p[v]),
-        _ => (f64::from(p[v]) - q.at(v)).max(0.0),
+        ColumnQ::None => f64::from(p.at(v)),
+        _ => (f64::from(p.at(v)) - q.at(v)).max(0.0),
     }
 }
 
 /// The blocked inverse-CDF draw of the contract: `None` when the weights have no positive
 /// total (or the draw falls past it).
-pub(crate) fn blocked_draw(p: &[f32], q: &ColumnQ<'_>, u: f32) -> Option<usize> {
+pub(crate) fn blocked_draw(p: &PColumn<'_>, q: &ColumnQ<'_>, u: f32) -> Option<usize> {
     let vocab = p.len();
     let tiles = vocab.div_ceil(TILE);
     let w = |v: usize| if v < vocab { weight(p, q, v) } else { 0.0 };
@@ -112,7 +150,7 @@ pub(crate) fn blocked_draw(p: &[f32], q: &ColumnQ<'_>, u: f32) -> Option<usize> 
 }
 
 /// The correction or bonus token: the draw over `w`, else over `p` itself, else token 0.
-pub(crate) fn draw(p: &[f32], q: &ColumnQ<'_>, u: f32) -> usize {
+pub(crate) fn draw(p: &PColumn<'_>, q: &ColumnQ<'_>, u: f32) -> usize {
     blocked_draw(p, q, u)
         .or_else(|| blocked_draw(p, &ColumnQ::None, u))
         .unwrap_or(0)
@@ -130,6 +168,7 @@ fn bad(tensor: &'static str, index: usize, expected: String, found: impl ToStrin
 
 pub(super) fn run(
     p: &[f32],
+    greedy: Option<&[i32]>,
     proposals: &[i32],
     live: &[i32],
     proposal: &HostProposal<'_>,
@@ -169,6 +208,20 @@ pub(super) fn run(
             }
         }
         for i in 0..=np {
+            if let Some(g) = greedy {
+                let gi = g[r * cols + i];
+                if gi >= 0 && (gi as usize) < vocab {
+                    continue; // a greedy column: its p row is never read
+                }
+                if gi != -1 {
+                    return Err(bad(
+                        "greedy",
+                        r * cols + i,
+                        format!("-1 (sampled) or an argmax id in 0..{vocab} (row {r}, column {i})"),
+                        gi,
+                    ));
+                }
+            }
             let base = (r * cols + i) * vocab;
             let col = &p[base..base + vocab];
             if let Some(v) = col.iter().position(|x| !(x.is_finite() && *x >= 0.0)) {
@@ -234,7 +287,13 @@ pub(super) fn run(
         let np = live[r] as usize - 1;
         let seed = u64::from(seeds[2 * r] as u32) | u64::from(seeds[2 * r + 1] as u32) << 32;
         let f = start_pos[r] as u64;
-        let col = |i: usize| &p[(r * cols + i) * vocab..(r * cols + i + 1) * vocab];
+        let col = |i: usize| match greedy.map(|g| g[r * cols + i]) {
+            Some(g) if g >= 0 => PColumn::OneHot {
+                id: g as usize,
+                vocab,
+            },
+            _ => PColumn::Row(&p[(r * cols + i) * vocab..(r * cols + i + 1) * vocab]),
+        };
         let slot_q = |i: usize| match proposal {
             HostProposal::OneHot => ColumnQ::OneHot(proposals[r * k + i] as usize),
             HostProposal::Top16 { q, ids } => {
@@ -249,7 +308,7 @@ pub(super) fn run(
         let mut rejected = false;
         while a < np {
             let x = proposals[r * k + a] as usize;
-            let px = f64::from(col(a)[x]);
+            let px = f64::from(col(a).at(x));
             let qx = slot_q(a).at(x);
             let u = uniform(seed, f + 1 + a as u64, Purpose::Accept, 0);
             if f64::from(u) * qx < px {
@@ -261,10 +320,10 @@ pub(super) fn run(
         }
         let token = if rejected {
             let u = uniform(seed, f + 1 + a as u64, Purpose::Correction, 0);
-            draw(col(a), &slot_q(a), u)
+            draw(&col(a), &slot_q(a), u)
         } else {
             let u = uniform(seed, f + 1 + a as u64, Purpose::Bonus, 0);
-            draw(col(a), &ColumnQ::None, u)
+            draw(&col(a), &ColumnQ::None, u)
         };
         accepted[r] = a as i32;
         out_len[r] = a as i32 + 1;

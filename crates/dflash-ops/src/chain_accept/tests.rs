@@ -1,6 +1,6 @@
 #![allow(clippy::needless_range_loop, clippy::type_complexity)] // reason: index loops mirror the formulas; test helpers return tuples
 
-use super::reference::{ColumnQ, blocked_draw};
+use super::reference::{ColumnQ, PColumn, blocked_draw};
 use super::*;
 use crate::OpsError;
 use crate::rng::{Purpose, uniform};
@@ -250,7 +250,7 @@ fn zero_weight_tokens_are_never_drawn_and_the_residual_fallback_samples_p() {
     p[2999] = 0.25;
     for k in 0..2000u32 {
         let u = (k as f32) / 2000.0;
-        let v = blocked_draw(&p, &ColumnQ::None, u).expect("positive total");
+        let v = blocked_draw(&PColumn::Row(&p), &ColumnQ::None, u).expect("positive total");
         assert!(p[v] > 0.0, "u {u} drew zero-weight token {v}");
         let want = if u < 0.25 {
             0
@@ -275,8 +275,8 @@ fn zero_weight_tokens_are_never_drawn_and_the_residual_fallback_samples_p() {
     q[1] = 0.5;
     q[2] = 0.25;
     let cq = ColumnQ::Top16 { q: &q, ids: &ids };
-    assert_eq!(blocked_draw(&p, &cq, 0.5), None);
-    assert_eq!(super::reference::draw(&p, &cq, 0.5), 1500);
+    assert_eq!(blocked_draw(&PColumn::Row(&p), &cq, 0.5), None);
+    assert_eq!(super::reference::draw(&PColumn::Row(&p), &cq, 0.5), 1500);
 }
 
 #[test]
@@ -528,4 +528,210 @@ proptest! {
             prop_assert_eq!(wout[m], argmax(&pf[m]));
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The `Live` form: greedy columns as ids, their p rows never read.
+
+/// (accepted, out_tokens, out_len) of a call reading `target` (buffers of `out_rows` rows, a
+/// call of `x.rows`), or the error after checking that nothing was written.
+fn run_form(
+    x: &In,
+    greedy: Option<&[i32]>,
+    out_rows: usize,
+) -> std::result::Result<(Vec<i32>, Vec<i32>, Vec<i32>), OpsError> {
+    let be = Backend::cpu();
+    let p = be.upload(&x.p).expect("upload");
+    let g = be.upload(greedy.unwrap_or(&[])).expect("upload");
+    let target = match greedy {
+        Some(_) => Distributions::Live { p: &p, greedy: &g },
+        None => Distributions::Full(&p),
+    };
+    let d = be.upload(&x.proposals).expect("upload");
+    let live = be.upload(&x.live).expect("upload");
+    let seeds = be.upload(&x.seeds).expect("upload");
+    let sp = be.upload(&x.start_pos).expect("upload");
+    let (q, ids) = match &x.top16 {
+        Some((q, ids)) => (be.upload(q).expect("up"), be.upload(ids).expect("up")),
+        None => (be.upload(&[]).expect("up"), be.upload(&[]).expect("up")),
+    };
+    let proposal = if x.top16.is_some() {
+        Proposal::Top16 { q: &q, ids: &ids }
+    } else {
+        Proposal::OneHot
+    };
+    let mut a = be.filled(out_rows, i32::POISON).expect("alloc");
+    let mut t = be.filled(out_rows * x.cols, i32::POISON).expect("alloc");
+    let mut l = be.filled(out_rows, i32::POISON).expect("alloc");
+    let r = run_with(
+        &be,
+        target,
+        &d,
+        &live,
+        proposal,
+        &seeds,
+        &sp,
+        Outputs {
+            accepted: &mut a,
+            out_tokens: &mut t,
+            out_len: &mut l,
+        },
+        &Params {
+            rows: x.rows,
+            cols: x.cols,
+            vocab: x.vocab,
+        },
+    );
+    let (a, t, l) = (
+        be.download(&a).expect("dl"),
+        be.download(&t).expect("dl"),
+        be.download(&l).expect("dl"),
+    );
+    match r {
+        Ok(()) => Ok((a, t, l)),
+        Err(e) => {
+            assert!(
+                a.iter().chain(&t).chain(&l).all(|&v| v == i32::POISON),
+                "a refused call wrote an output: {e}"
+            );
+            Err(e)
+        }
+    }
+}
+
+fn from_case(d: &CaseData, rows: usize, cols: usize, vocab: usize, top16: bool) -> In {
+    In {
+        rows,
+        cols,
+        vocab,
+        p: d.p.clone(),
+        proposals: d.proposals.clone(),
+        live: d.live.clone(),
+        top16: top16.then(|| (d.q.clone(), d.ids.clone())),
+        seeds: d.seeds.clone(),
+        start_pos: d.start_pos.clone(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Greedy columns given as ids over a poisoned p (NaN: any read would change or refuse
+    /// the decision) decide exactly as their stored one-hot rows do, for every behaviour of
+    /// the case mix, one-hot and top-16 q.
+    #[test]
+    fn live_greedy_columns_decide_like_one_hot_rows_without_reading_p(
+        vocab in 16usize..3000,
+        cols in 1usize..7,
+        rows in 1usize..7,
+        top16 in any::<bool>(),
+        first_kind in 0usize..5,
+        seed in any::<u64>(),
+    ) {
+        let d = case_data_from(rows, cols, vocab, top16, seed, first_kind);
+        let full = run_form(&from_case(&d, rows, cols, vocab, top16), None, rows).expect("full");
+        let (p_live, greedy) = live_distributions(&d, cols, vocab);
+        let x = In { p: p_live, ..from_case(&d, rows, cols, vocab, top16) };
+        let live = run_form(&x, Some(&greedy), rows).expect("live");
+        prop_assert_eq!(live, full);
+    }
+}
+
+#[test]
+fn the_live_case_mix_has_greedy_and_sampled_columns_and_poisoned_greedy_rows() {
+    let (rows, cols, vocab) = (8, 16, 4096);
+    let d = case_data_from(rows, cols, vocab, true, 27, 0);
+    let (p, greedy) = live_distributions(&d, cols, vocab);
+    let live_greedy = greedy.iter().filter(|&&g| g >= 0).count();
+    let live_sampled = greedy.iter().filter(|&&g| g == -1).count();
+    assert!(
+        live_greedy > 0 && live_sampled > 0,
+        "{live_greedy} {live_sampled}"
+    );
+    for (rc, &g) in greedy.iter().enumerate() {
+        let row = &p[rc * vocab..(rc + 1) * vocab];
+        let poisoned = row.iter().all(|x| x.to_bits() == f32::POISON.to_bits());
+        assert_eq!(
+            poisoned,
+            g != -1,
+            "column {rc}: only sampled columns keep p"
+        );
+    }
+    let full = run_form(&from_case(&d, rows, cols, vocab, true), None, rows).expect("full");
+    let x = In {
+        p,
+        ..from_case(&d, rows, cols, vocab, true)
+    };
+    assert_eq!(run_form(&x, Some(&greedy), rows).expect("live"), full);
+    assert!(full.0.iter().any(|&a| a > 0), "the mix accepts something");
+}
+
+#[test]
+fn greedy_entries_are_checked_and_only_for_live_columns() {
+    let (rows, cols, vocab) = (2, 3, 20);
+    let d = case_data_from(rows, cols, vocab, false, 9, 0);
+    let (p, greedy) = live_distributions(&d, cols, vocab);
+    assert!(greedy[0] >= 0, "row 0 is greedy");
+    let x = In {
+        p,
+        ..from_case(&d, rows, cols, vocab, false)
+    };
+    run_form(&x, Some(&greedy), rows).expect("valid");
+    let value = |g: Vec<i32>| match run_form(&x, Some(&g), rows) {
+        Err(OpsError::Value { tensor, index, .. }) => (tensor, index),
+        other => panic!("expected a Value error, got {other:?}"),
+    };
+    let mut big = greedy.clone();
+    big[1] = vocab as i32;
+    assert_eq!(value(big), ("greedy", 1));
+    let mut neg = greedy.clone();
+    neg[0] = -2;
+    assert_eq!(value(neg), ("greedy", 0));
+    // A greedy column whose id is -1 reads its (poisoned) p row: refused on the CPU.
+    let mut sampled = greedy.clone();
+    sampled[0] = -1;
+    assert!(matches!(
+        run_form(&x, Some(&sampled), rows),
+        Err(OpsError::Value { tensor: "p", .. })
+    ));
+    let e = run_form(&x, Some(&greedy[..5]), rows).expect_err("short greedy");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "greedy",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_call_of_fewer_rows_than_its_buffers_leaves_the_extra_rows_untouched() {
+    let (cols, vocab) = (5, 300);
+    let d = case_data(6, cols, vocab, true, 13);
+    let all = from_case(&d, 6, cols, vocab, true);
+    let (a6, t6, l6) = run_form(&all, None, 6).expect("6 rows");
+    // Inputs and outputs planned for 6 rows, a call of 4.
+    let (a, t, l) = run_form(
+        &In {
+            rows: 4,
+            ..all.clone()
+        },
+        None,
+        6,
+    )
+    .expect("4 of 6 rows");
+    assert_eq!(
+        (&a[..4], &t[..4 * cols], &l[..4]),
+        (&a6[..4], &t6[..4 * cols], &l6[..4])
+    );
+    assert!(
+        a[4..]
+            .iter()
+            .chain(&t[4 * cols..])
+            .chain(&l[4..])
+            .all(|&v| v == i32::POISON)
+    );
 }

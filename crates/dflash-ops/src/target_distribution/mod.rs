@@ -1,9 +1,12 @@
 //! Target distribution: process the target's verify logits into the processed target
 //! distribution `p_i` of every live verify column (public-vocabulary mask, penalties with the
-//! column's own history, temperature, top-k, top-p, min-p).
+//! column's own history, temperature, top-k, top-p, min-p); for a greedy row, into the argmax
+//! alone.
 //!
 //! Semantics. Row `r` is one request with `Q = live[r]` live columns (`1 <= Q <= cols`); the
-//! target output of verify column `i` predicts position `F+1+i`. Let `d_j = proposals[r, j-1]`
+//! target output of verify column `i` predicts position `F+1+i` and is the logits column
+//! `c(r, i)` (`r * cols + i` for [`Columns::Padded`], `col_start[r] + i` for
+//! [`Columns::Starts`]): `logit(v) = logits[c(r, i), v]`. Let `d_j = proposals[r, j-1]`
 //! (`j = 1..cols-1`). For every live column `i < Q`, in this one order:
 //!
 //! 1. History. `c(v) = counts[r, v] + #{ j in 1..=i : d_j == v }` (the request's token counts up
@@ -15,9 +18,10 @@
 //!    `l = logit > 0 ? logit / rep : logit * rep`, then
 //!    `l = l - (freq * f32(c) + pres)` (`f32(c)` is the RNE conversion of the integer count).
 //!    Where `c == 0` the logit is unchanged.
-//! 4. Greedy. If `temperature <= 0`: `p = one_hot(argmax_v l)`, ties to the lowest id; no
-//!    filter applies (none could remove the argmax). Greedy verification then falls out of the
-//!    ordinary acceptance rule of `chain_accept`.
+//! 4. Greedy. If `temperature <= 0`: the column's token is `g = argmax_v l` over the public
+//!    rows, ties to the lowest id, and its distribution is `p = one_hot(g)`; no filter applies
+//!    (none could remove the argmax). Greedy verification then falls out of the ordinary
+//!    acceptance rule of `chain_accept`.
 //! 5. Scaling. Otherwise `z = l / temperature` (f32, RNE), then `z = z + 0.0` (so that `-0.0`
 //!    and `+0.0` are one value). `zmax = max_v z`, `e(v) = exp(f64(z) - f64(zmax))` (f64).
 //! 6. Top-k (`top_k > 0` and `top_k < public_vocab`): `t_k` = the `top_k`-th largest `z`
@@ -34,38 +38,70 @@
 //! 9. Normalization: `kept = { v in K : z_v >= t_p, e(v) >= min_p }`,
 //!    `S = sum_{kept} e(v)` (f64), `p(v) = f32_rne(e(v) / S)` for `v` in `kept`, else `0`.
 //!
-//! The argmax always survives every filter, so `S >= 1`. Columns `i >= Q` ("dead") are
-//! written with exact zeros.
+//! The argmax always survives every filter, so `S >= 1`. What is stored depends on the
+//! [`Outputs`] form:
 //!
-//! Shapes. logits, p: `[rows, cols, vocab]` f32; live: `[rows]` i32; counts: `[rows, vocab]`
-//!   i32; proposals: `[rows, cols-1]` i32; every setting: `[rows]` ([`Sampling`]).
-//! Dtypes. Logits, settings and `p` f32; counts, ids, `top_k`, `live` i32.
-//! Rounding points. The penalized logit and `z` are f32 values (RNE, as written above); `e`,
-//!   masses and `S` are f64; `p` is rounded once to f32.
+//! - [`Outputs::Full`]: `p[r, i, :]` for every column: a live column's distribution (a greedy
+//!   column's one-hot row), exact zeros for a dead column (`i >= Q`).
+//! - [`Outputs::Live`] (what verification reads, sized for the round): a live greedy column
+//!   writes `greedy[r, i] = g` and no element of `p`; a live sampled column writes
+//!   `greedy[r, i] = -1` ([`SAMPLED`]) and its whole row `p[r, i, :]`; a dead column writes
+//!   nothing. `chain_accept` reads either form ([`crate::chain_accept::Distributions`]) and
+//!   decides identically from both.
+//!
+//! Shapes. logits: `[n, vocab]` (`n` logits columns): [`Columns::Padded`] is
+//!   `[rows, cols, vocab]`; [`Columns::Starts`] takes `col_start: [rows]` i32, device metadata
+//!   written with the round (never a launch scalar), e.g. packed (only live columns stored,
+//!   row `r`'s `Q_r` columns after the previous row's: `col_start[0] = 0`,
+//!   `col_start[r+1] = col_start[r] + Q_r`) or padded (`col_start[r] = r * cols`).
+//!   p: `[rows, cols, vocab]` f32; greedy: `[rows, cols]` i32; live: `[rows]` i32;
+//!   counts: `[rows, vocab]` i32; proposals: `[rows, cols-1]` i32; every setting: `[rows]`
+//!   ([`Sampling`]).
+//!   Row capacity: a tensor indexed by row may hold more rows than `rows` (a workspace planned
+//!   once for B rows runs a round of `n <= B` rows with its B-row buffers): its length is a
+//!   whole number of its rows, at least `rows`; padded logits likewise (rows of
+//!   `[cols, vocab]`); logits with starts hold a whole number of `vocab`-columns. Rows at or
+//!   past `rows` are never read or written.
+//! Dtypes. Logits f32 or bf16 ([`Logits`]); settings and `p` f32; counts, ids, `top_k`,
+//!   `live`, `col_start`, `greedy` i32.
+//! Rounding points. A bf16 logit is widened exactly to f32 when it is loaded (the f32 with the
+//!   same sign, exponent and 7 fraction bits; no rounding), so bf16 logits give bit for bit
+//!   the result of their f32 widening. The penalized logit and `z` are f32 values (RNE, as
+//!   written above); `e`, masses and `S` are f64; `p` is rounded once to f32.
 //! Accumulation. `S`: f64 in any order (implementation choice); `M`: exact u64.
 //! Tie-breaking. Greedy argmax: lowest id. Top-k / top-p: every token tied with the boundary
 //!   value is kept (a value threshold, not an id-ordered prefix).
-//! Masking / live extents. Non-public rows: `p = 0`. Dead columns: all zeros. Only proposals
-//!   `d_1 .. d_(Q-1)` are read.
+//! Masking / live extents. Non-public rows: `p = 0`. Dead columns: zeros (`Full`) or untouched
+//!   (`Live`). Only proposals `d_1 .. d_(Q-1)` and only the public rows of the logits columns
+//!   `c(r, i)`, `i < Q`, are read (a dead column's logits need not exist).
 //! Caller guarantees (checked on the CPU, trusted on CUDA, where out-of-range proposals are
-//!   ignored and `live` is clamped to `0..=cols`): `1 <= live <= cols`; proposals of live
-//!   columns `< vocab`; `counts >= 0`; settings valid ([`Sampling`]); public logits of live
-//!   columns are not NaN or `+inf` (`-inf` is allowed and gives `p = 0`); the processed logits
-//!   of a live column have a finite maximum (no `+inf` overflow from a tiny temperature or a
-//!   huge penalty, not all `-inf`).
-//! Writes. All of `p` (live columns: the distribution; dead columns: zeros). Inputs are never
-//!   written.
+//!   ignored, `live` is clamped to `0..=cols` and a live column whose logits column
+//!   `c(r, i)` lies outside the buffer is treated as dead: nothing read, zeros (`Full`) or
+//!   nothing (`Live`) written): `1 <= live <= cols`; with starts, `col_start[r] >= 0` and
+//!   `(col_start[r] + Q) * vocab <= logits.len()` (the logits cover every live column);
+//!   proposals of live columns `< vocab`; `counts >= 0`; settings valid ([`Sampling`]); public
+//!   logits of live columns are not NaN or `+inf` (`-inf` is allowed and gives `p = 0`); the
+//!   processed logits of a live column have a finite maximum (no `+inf` overflow from a tiny
+//!   temperature or a huge penalty, not all `-inf`).
+//! Writes. `Full`: every element of `p` in rows `< rows` (live columns: the distribution;
+//!   dead columns: zeros). `Live`: `greedy[r, i]` of every live column and `p[r, i, :]` of
+//!   every live sampled column, nothing else: the `p` rows of greedy and dead columns and the
+//!   `greedy` entries of dead columns keep their bits. Inputs are never written.
 //! Comparison. `p`: close (abs 1e-7, rel 1e-5): both backends compute `e`, `m`, `S` in f64 /
 //!   exact integers from identical f32 `z`, so only the f64 `exp` (1 ulp) and the summation
 //!   order of `S` differ; kept sets, greedy one-hot columns and zeros are exact in practice
-//!   (fixtures keep decision margins far above 2^-40).
+//!   (fixtures keep decision margins far above 2^-40). `greedy`: exact. The `p` elements a
+//!   `Live` call leaves alone: exact (still the poison).
 //!
-//! CUDA. One block of 512 threads per (row, column). Pass 1 writes `z` into `p` (scratch) and
-//! reduces the argmax; top-k and top-p thresholds are found by a 4-pass radix select (8 bits
-//! per pass) on the order-preserving u32 key of `z` (counts for top-k, u64 masses with
-//! integer shared-memory atomics for top-p, so the result is exact and deterministic); then one
-//! f64 sum pass and one write pass. A thread only ever reads back the `p` elements it wrote
-//! itself.
+//! CUDA. One block of 512 threads per (row, column); entries `target_distribution_kernel`
+//! (f32 logits) and `target_distribution_bf16_kernel` (bf16 logits, each widened by a 16-bit
+//! shift of its bits). Pass 1 reduces the argmax; a greedy column stores nothing in it and then
+//! writes its one-hot row (`Full`) or its id (`Live`). A sampled column's pass 1 writes `z`
+//! into its own `p` row (scratch); top-k and top-p thresholds are found by a 4-pass radix
+//! select (8 bits per pass) on the order-preserving u32 key of `z` (counts for top-k, u64
+//! masses with integer shared-memory atomics for top-p, so the result is exact and
+//! deterministic); then one f64 sum pass and one write pass. A thread only ever reads back the
+//! `p` elements it wrote itself; every logits read is inside the checked column `c(r, i)`.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -73,8 +109,11 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, Result, check_len, check_param};
+use crate::{Backend, Buffer, DType, OpsError, Result, bf16, check_param};
 
 /// Registry id.
 pub const OP: &str = "target_distribution";
@@ -85,10 +124,14 @@ pub const MAX_COLS: usize = 256;
 /// Largest vocabulary a call may have (2^30, so that strided i32 loops cannot overflow).
 pub const MAX_VOCAB: usize = 1 << 30;
 
+/// The `greedy` entry of a live sampled column in [`Outputs::Live`].
+pub const SAMPLED: i32 = -1;
+
 /// Static shape of a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Params {
-    /// Requests in the batch.
+    /// Requests in the call (the launch rows; buffers may hold more, see the contract's row
+    /// capacity).
     pub rows: usize,
     /// Verify columns per request (W = K + 1), `1..=MAX_COLS`.
     pub cols: usize,
@@ -98,11 +141,82 @@ pub struct Params {
     pub public_vocab: usize,
 }
 
+/// The target's verify logits in the dtype it computed them in.
+#[derive(Clone, Copy, Debug)]
+pub enum Logits<'a> {
+    /// F32 logits.
+    F32(&'a Buffer<f32>),
+    /// BF16 logits (widened exactly to f32 on load).
+    Bf16(&'a Buffer<bf16>),
+}
+
+impl Logits<'_> {
+    /// Elements of the buffer.
+    pub fn len(&self) -> usize {
+        match self {
+            Logits::F32(b) => b.len(),
+            Logits::Bf16(b) => b.len(),
+        }
+    }
+
+    /// True when the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The stored dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Logits::F32(_) => DType::F32,
+            Logits::Bf16(_) => DType::BF16,
+        }
+    }
+}
+
+impl<'a> From<&'a Buffer<f32>> for Logits<'a> {
+    fn from(b: &'a Buffer<f32>) -> Self {
+        Logits::F32(b)
+    }
+}
+
+impl<'a> From<&'a Buffer<bf16>> for Logits<'a> {
+    fn from(b: &'a Buffer<bf16>) -> Self {
+        Logits::Bf16(b)
+    }
+}
+
+/// Where verify column `i` of row `r` lies in the logits (see the contract's Shapes).
+#[derive(Clone, Copy, Debug)]
+pub enum Columns<'a> {
+    /// `[rows, cols, vocab]`: logits column `r * cols + i`.
+    Padded,
+    /// Logits column `col_start[r] + i`; `col_start: [rows]` i32, device metadata (packed:
+    /// the prefix sums of the live counts; padded: `r * cols`).
+    Starts(&'a Buffer<i32>),
+}
+
+/// What a call writes (see the contract's Writes).
+#[derive(Debug)]
+pub enum Outputs<'a> {
+    /// `p: [rows, cols, vocab]`, every element: greedy columns one-hot, dead columns zero.
+    Full(&'a mut Buffer<f32>),
+    /// Only what verification reads: `greedy: [rows, cols]` (the argmax of a live greedy
+    /// column, [`SAMPLED`] for a live sampled column) and the `p` rows of live sampled
+    /// columns.
+    Live {
+        /// `[rows, cols, vocab]` f32; only rows of live sampled columns are written.
+        p: &'a mut Buffer<f32>,
+        /// `[rows, cols]` i32; only live columns are written.
+        greedy: &'a mut Buffer<i32>,
+    },
+}
+
 /// Per-request sampling settings, one element per row, as device buffers (so that a captured
 /// CUDA graph replays with new settings).
 #[derive(Clone, Copy, Debug)]
 pub struct Sampling<'a> {
-    /// Temperature, finite, `>= 0`; `<= 0` means greedy (exact one-hot `p`).
+    /// Temperature, finite, `>= 0`; `<= 0` means greedy (the argmax: an exact one-hot `p`, or
+    /// its id alone in [`Outputs::Live`]).
     pub temperature: &'a Buffer<f32>,
     /// Top-k, `>= 0`; `0` (or `>= public_vocab`) disables it.
     pub top_k: &'a Buffer<i32>,
@@ -206,9 +320,11 @@ impl SamplingBuffers {
     }
 }
 
-/// Compute the processed target distribution `p` of every live verify column (see the module
-/// contract). Validates every shape and parameter (and, on the CPU, every value the contract
-/// constrains) before writing; a refused call leaves `p` untouched.
+/// Compute the processed target distribution `p` of every live verify column from padded f32
+/// logits, writing every element of `p` ([`Outputs::Full`]); the same as [`run_with`] with
+/// [`Logits::F32`] and [`Columns::Padded`]. Validates every shape and parameter (and, on the
+/// CPU, every value the contract constrains) before writing; a refused call leaves `p`
+/// untouched.
 pub fn run(
     be: &Backend,
     logits: &Buffer<f32>,
@@ -217,6 +333,63 @@ pub fn run(
     proposals: &Buffer<i32>,
     sampling: &Sampling<'_>,
     p: &mut Buffer<f32>,
+    params: &Params,
+) -> Result<()> {
+    run_with(
+        be,
+        Logits::F32(logits),
+        Columns::Padded,
+        live,
+        counts,
+        proposals,
+        sampling,
+        Outputs::Full(p),
+        params,
+    )
+}
+
+/// Check that a tensor indexed by row holds a whole number of rows of `stride` elements, at
+/// least `rows` (the contract's row capacity; `stride == 0`: empty).
+pub(crate) fn check_rows(
+    op: &'static str,
+    tensor: &'static str,
+    found: usize,
+    rows: usize,
+    stride: usize,
+    row_shape: impl FnOnce() -> String,
+) -> Result<()> {
+    let ok = if stride == 0 {
+        found == 0
+    } else {
+        found.is_multiple_of(stride) && found / stride >= rows
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(OpsError::Length {
+            op,
+            tensor,
+            expected: rows.saturating_mul(stride),
+            shape: format!("a whole number >= {rows} of rows {}", row_shape()),
+            found,
+        })
+    }
+}
+
+/// Compute what verification needs of the processed target distributions (see the module
+/// contract): logits in either dtype and either column layout, written in the [`Outputs`]
+/// form asked for. Validates every shape and parameter (and, on the CPU, every value the
+/// contract constrains, `col_start` included) before writing; a refused call leaves the
+/// outputs untouched.
+pub fn run_with(
+    be: &Backend,
+    logits: Logits<'_>,
+    columns: Columns<'_>,
+    live: &Buffer<i32>,
+    counts: &Buffer<i32>,
+    proposals: &Buffer<i32>,
+    sampling: &Sampling<'_>,
+    out: Outputs<'_>,
     params: &Params,
 ) -> Result<()> {
     let Params {
@@ -238,52 +411,70 @@ pub fn run(
         public_vocab,
         || format!("1..=vocab ({vocab})"),
     )?;
-    let total = rows
-        .checked_mul(cols)
+    rows.checked_mul(cols)
         .and_then(|n| n.checked_mul(vocab))
-        .ok_or_else(|| crate::OpsError::Param {
+        .ok_or_else(|| OpsError::Param {
             op: OP,
             param: "rows",
             expected: "rows * cols * vocab within usize".into(),
             found: rows.to_string(),
         })?;
-    let shape = || format!("[rows={rows}, cols={cols}, vocab={vocab}]");
-    check_len(OP, "logits", logits.len(), total, shape)?;
-    check_len(OP, "p", p.len(), total, shape)?;
-    check_len(OP, "live", live.len(), rows, || format!("[rows={rows}]"))?;
-    check_len(OP, "counts", counts.len(), rows * vocab, || {
-        format!("[rows={rows}, vocab={vocab}]")
+    let column = || format!("[cols={cols}, vocab={vocab}]");
+    match columns {
+        Columns::Padded => check_rows(OP, "logits", logits.len(), rows, cols * vocab, column)?,
+        Columns::Starts(col_start) => {
+            check_rows(OP, "logits", logits.len(), 0, vocab, || {
+                format!("[vocab={vocab}]")
+            })?;
+            check_rows(OP, "col_start", col_start.len(), rows, 1, || "[1]".into())?;
+        }
+    }
+    match &out {
+        Outputs::Full(p) => check_rows(OP, "p", p.len(), rows, cols * vocab, column)?,
+        Outputs::Live { p, greedy } => {
+            check_rows(OP, "p", p.len(), rows, cols * vocab, column)?;
+            check_rows(OP, "greedy", greedy.len(), rows, cols, || {
+                format!("[cols={cols}]")
+            })?;
+        }
+    }
+    let one = || "[1]".to_string();
+    check_rows(OP, "live", live.len(), rows, 1, one)?;
+    check_rows(OP, "counts", counts.len(), rows, vocab, || {
+        format!("[vocab={vocab}]")
     })?;
-    check_len(OP, "proposals", proposals.len(), rows * (cols - 1), || {
-        format!("[rows={rows}, cols-1={}]", cols - 1)
+    check_rows(OP, "proposals", proposals.len(), rows, cols - 1, || {
+        format!("[cols-1={}]", cols - 1)
     })?;
-    let per_row = || format!("[rows={rows}]");
-    check_len(OP, "temperature", sampling.temperature.len(), rows, per_row)?;
-    check_len(OP, "top_k", sampling.top_k.len(), rows, per_row)?;
-    check_len(OP, "top_p", sampling.top_p.len(), rows, per_row)?;
-    check_len(OP, "min_p", sampling.min_p.len(), rows, per_row)?;
-    check_len(
+    check_rows(OP, "temperature", sampling.temperature.len(), rows, 1, one)?;
+    check_rows(OP, "top_k", sampling.top_k.len(), rows, 1, one)?;
+    check_rows(OP, "top_p", sampling.top_p.len(), rows, 1, one)?;
+    check_rows(OP, "min_p", sampling.min_p.len(), rows, 1, one)?;
+    check_rows(
         OP,
         "repetition_penalty",
         sampling.repetition_penalty.len(),
         rows,
-        per_row,
+        1,
+        one,
     )?;
-    check_len(
+    check_rows(
         OP,
         "frequency_penalty",
         sampling.frequency_penalty.len(),
         rows,
-        per_row,
+        1,
+        one,
     )?;
-    check_len(
+    check_rows(
         OP,
         "presence_penalty",
         sampling.presence_penalty.len(),
         rows,
-        per_row,
+        1,
+        one,
     )?;
-    if total == 0 {
+    if rows == 0 {
         return Ok(());
     }
     match be {
@@ -297,18 +488,36 @@ pub fn run(
                 frequency_penalty: sampling.frequency_penalty.host(OP, "frequency_penalty")?,
                 presence_penalty: sampling.presence_penalty.host(OP, "presence_penalty")?,
             };
+            let logits = match logits {
+                Logits::F32(b) => reference::HostLogits::F32(b.host(OP, "logits")?),
+                Logits::Bf16(b) => reference::HostLogits::Bf16(b.host(OP, "logits")?),
+            };
+            let col_start = match columns {
+                Columns::Padded => None,
+                Columns::Starts(b) => Some(b.host(OP, "col_start")?),
+            };
+            let out = match out {
+                Outputs::Full(p) => reference::HostOutputs::Full(p.host_mut(OP, "p")?),
+                Outputs::Live { p, greedy } => reference::HostOutputs::Live {
+                    p: p.host_mut(OP, "p")?,
+                    greedy: greedy.host_mut(OP, "greedy")?,
+                },
+            };
             reference::run(
-                logits.host(OP, "logits")?,
+                &logits,
+                col_start,
                 live.host(OP, "live")?,
                 counts.host(OP, "counts")?,
                 proposals.host(OP, "proposals")?,
                 &settings,
-                p.host_mut(OP, "p")?,
+                out,
                 params,
             )
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(c) => cuda::run(c, logits, live, counts, proposals, sampling, p, params),
+        Backend::Cuda(c) => cuda::run(
+            c, logits, columns, live, counts, proposals, sampling, out, params,
+        ),
     }
 }
 
@@ -316,8 +525,10 @@ pub fn run(
 // Conformance cases.
 
 /// A small deterministic hash generator for case inputs.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) struct Gen(u64);
 
+#[cfg(any(test, feature = "conformance"))]
 impl Gen {
     pub(crate) fn new(seed: u64) -> Self {
         Gen(seed ^ 0x5851_f42d_4c95_7f2d)
@@ -340,6 +551,7 @@ impl Gen {
 }
 
 /// Deterministic inputs of one case.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) struct CaseData {
     pub(crate) logits: Vec<f32>,
     pub(crate) live: Vec<i32>,
@@ -350,6 +562,7 @@ pub(crate) struct CaseData {
 
 /// Logits on a 1/64 grid (distinct-ish values with margins), a few strong tokens per column,
 /// sparse counts and proposals drawn from the strong tokens (so penalties hit them).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn case_data(
     rows: usize,
     cols: usize,
@@ -420,6 +633,7 @@ pub(crate) fn case_data(
 }
 
 /// The settings mix of the cases: greedy, plain sampling, every filter, penalties.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn settings_mix() -> Vec<Settings> {
     vec![
         Settings {
@@ -460,6 +674,7 @@ pub(crate) fn settings_mix() -> Vec<Settings> {
     ]
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     rows: usize,
     cols: usize,
@@ -548,12 +763,200 @@ fn case(
     }
 }
 
+/// How a [`live_case`] stores its logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) enum CaseLayout {
+    /// `[rows, cols, vocab]`, `col_start[r] = r * cols` (dead columns stored, never read).
+    Padded,
+    /// Only the live columns, `col_start` the prefix sums of the live counts.
+    Packed,
+}
+
+/// The stored logits of a case in `layout` (f32 values) and its `col_start`.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) fn stored_logits(
+    d: &CaseData,
+    cols: usize,
+    vocab: usize,
+    layout: CaseLayout,
+) -> (Vec<f32>, Vec<i32>) {
+    match layout {
+        CaseLayout::Padded => (
+            d.logits.clone(),
+            (0..d.live.len()).map(|r| (r * cols) as i32).collect(),
+        ),
+        CaseLayout::Packed => {
+            let mut values = Vec::new();
+            let mut starts = Vec::with_capacity(d.live.len());
+            for (r, &q) in d.live.iter().enumerate() {
+                starts.push((values.len() / vocab) as i32);
+                let base = r * cols * vocab;
+                values.extend_from_slice(&d.logits[base..base + q as usize * vocab]);
+            }
+            (values, starts)
+        }
+    }
+}
+
+/// The logits buffer a case owns, in its dtype.
+#[cfg(any(test, feature = "conformance"))]
+enum CaseLogits {
+    F32(Buffer<f32>),
+    Bf16(Buffer<bf16>),
+}
+
+/// A case of the `Live` form: logits in `dtype` (f32, or the bf16 rounding of the case's f32
+/// logits) stored in `layout` and read through `col_start`; `p` and `greedy` poisoned before
+/// the run. Outputs: `greedy` (exact, live columns written, dead ones untouched), `p` of the
+/// live sampled columns (close) and `p_untouched`, every other element of `p` (exact: the
+/// greedy and dead columns' rows must keep the poison).
+#[cfg(any(test, feature = "conformance"))]
+fn live_case(
+    rows: usize,
+    cols: usize,
+    vocab: usize,
+    public_vocab: usize,
+    seed: u64,
+    settings: Vec<Settings>,
+    dtype: DType,
+    layout: CaseLayout,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let d = case_data(rows, cols, vocab, public_vocab, seed, &settings);
+        let (values, col_start) = stored_logits(&d, cols, vocab, layout);
+        let mut inputs = InputCheck::default();
+        let held = if dtype == DType::BF16 {
+            let bits: Vec<bf16> = values.iter().map(|&x| bf16::from_f32(x)).collect();
+            CaseLogits::Bf16(inputs.upload(be, "logits", &bits)?)
+        } else {
+            CaseLogits::F32(inputs.upload(be, "logits", &values)?)
+        };
+        let logits = match &held {
+            CaseLogits::F32(l) => Logits::F32(l),
+            CaseLogits::Bf16(l) => Logits::Bf16(l),
+        };
+        let starts = inputs.upload(be, "col_start", &col_start)?;
+        let live = inputs.upload(be, "live", &d.live)?;
+        let counts = inputs.upload(be, "counts", &d.counts)?;
+        let proposals = inputs.upload(be, "proposals", &d.proposals)?;
+        let s = &d.settings;
+        let col = |f: fn(&Settings) -> f32| s.iter().map(f).collect::<Vec<f32>>();
+        let temperature = inputs.upload(be, "temperature", &col(|x| x.temperature))?;
+        let top_k = inputs.upload(be, "top_k", &s.iter().map(|x| x.top_k).collect::<Vec<_>>())?;
+        let top_p = inputs.upload(be, "top_p", &col(|x| x.top_p))?;
+        let min_p = inputs.upload(be, "min_p", &col(|x| x.min_p))?;
+        let rep = inputs.upload(be, "repetition_penalty", &col(|x| x.repetition_penalty))?;
+        let freq = inputs.upload(be, "frequency_penalty", &col(|x| x.frequency_penalty))?;
+        let pres = inputs.upload(be, "presence_penalty", &col(|x| x.presence_penalty))?;
+        let n = rows * cols * vocab;
+        let mut p = be.filled(n, f32::POISON)?;
+        let mut greedy = be.filled(rows * cols, i32::POISON)?;
+        let sampling = Sampling {
+            temperature: &temperature,
+            top_k: &top_k,
+            top_p: &top_p,
+            min_p: &min_p,
+            repetition_penalty: &rep,
+            frequency_penalty: &freq,
+            presence_penalty: &pres,
+        };
+        run_with(
+            be,
+            logits,
+            Columns::Starts(&starts),
+            &live,
+            &counts,
+            &proposals,
+            &sampling,
+            Outputs::Live {
+                p: &mut p,
+                greedy: &mut greedy,
+            },
+            &Params {
+                rows,
+                cols,
+                vocab,
+                public_vocab,
+            },
+        )?;
+        let mut modified = Vec::new();
+        match &held {
+            CaseLogits::F32(l) => inputs.verify(be, "logits", l, &mut modified)?,
+            CaseLogits::Bf16(l) => inputs.verify(be, "logits", l, &mut modified)?,
+        }
+        inputs.verify(be, "col_start", &starts, &mut modified)?;
+        inputs.verify(be, "live", &live, &mut modified)?;
+        inputs.verify(be, "counts", &counts, &mut modified)?;
+        inputs.verify(be, "proposals", &proposals, &mut modified)?;
+        inputs.verify(be, "temperature", &temperature, &mut modified)?;
+        inputs.verify(be, "top_k", &top_k, &mut modified)?;
+        inputs.verify(be, "top_p", &top_p, &mut modified)?;
+        inputs.verify(be, "min_p", &min_p, &mut modified)?;
+        inputs.verify(be, "repetition_penalty", &rep, &mut modified)?;
+        inputs.verify(be, "frequency_penalty", &freq, &mut modified)?;
+        inputs.verify(be, "presence_penalty", &pres, &mut modified)?;
+        // The footprint: live columns write `greedy`; live sampled columns write their p row.
+        let is_live = |rc: usize| (rc % cols) < d.live[rc / cols] as usize;
+        let sampled = |rc: usize| is_live(rc) && s[rc / cols].temperature > 0.0;
+        let p_all = be.download(&p)?;
+        let (mut p_written, mut p_left) = (Vec::new(), Vec::new());
+        for (rc, row) in p_all.chunks(vocab).enumerate() {
+            if sampled(rc) {
+                p_written.extend_from_slice(row);
+            } else {
+                p_left.extend_from_slice(row);
+            }
+        }
+        let any_greedy = (0..rows * cols).any(|rc| is_live(rc) && !sampled(rc));
+        let mut greedy_out = output(
+            "greedy",
+            Criterion::Exact,
+            &vec![i32::POISON; rows * cols],
+            &be.download(&greedy)?,
+            is_live,
+        );
+        // Without a greedy row every live entry is -1 by contract.
+        greedy_out.allow_constant = !any_greedy;
+        let mut outputs = vec![greedy_out];
+        if !p_written.is_empty() {
+            outputs.push(output(
+                "p",
+                Criterion::Close {
+                    abs: 1e-7,
+                    rel: 1e-5,
+                    bf16_ulps: 0,
+                },
+                &vec![f32::POISON; p_written.len()],
+                &p_written,
+                |_| true,
+            ));
+        }
+        let mut left = output(
+            "p_untouched",
+            Criterion::Exact,
+            &vec![f32::POISON; p_left.len()],
+            &p_left,
+            |_| false,
+        );
+        left.allow_constant = true; // the poison, by contract
+        outputs.push(left);
+        Ok(CaseRun {
+            outputs,
+            modified_inputs: modified,
+        })
+    }
+}
+
 /// Official vocabulary rows and public rows (Qwen3.5).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OFFICIAL_VOCAB: usize = 248_320;
 /// Official public vocabulary.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OFFICIAL_PUBLIC: usize = 248_077;
 
 /// Conformance cases.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(
@@ -589,6 +992,94 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "rows8_cols16_official_vocab_mixed_settings",
             case(8, 16, OFFICIAL_VOCAB, OFFICIAL_PUBLIC, 14, settings_mix()),
+        )
+        .heavy(),
+        // The `Live` form (greedy ids, p rows of sampled columns only, p poisoned), logits
+        // read through `col_start`.
+        Case::new(
+            OP,
+            "rows8_cols16_v4096_live_f32_padded_mixed",
+            live_case(
+                8,
+                16,
+                4096,
+                4000,
+                15,
+                settings_mix(),
+                DType::F32,
+                CaseLayout::Padded,
+            ),
+        ),
+        Case::new(
+            OP,
+            "rows8_cols16_v4096_live_bf16_packed_mixed",
+            live_case(
+                8,
+                16,
+                4096,
+                4000,
+                16,
+                settings_mix(),
+                DType::BF16,
+                CaseLayout::Packed,
+            ),
+        ),
+        Case::new(
+            OP,
+            "rows1_cols16_official_vocab_live_bf16_packed_greedy_penalties",
+            live_case(
+                1,
+                16,
+                OFFICIAL_VOCAB,
+                OFFICIAL_PUBLIC,
+                17,
+                vec![settings_mix()[0]],
+                DType::BF16,
+                CaseLayout::Packed,
+            ),
+        ),
+        Case::new(
+            OP,
+            "rows1_cols16_official_vocab_live_f32_packed_filters",
+            live_case(
+                1,
+                16,
+                OFFICIAL_VOCAB,
+                OFFICIAL_PUBLIC,
+                18,
+                vec![settings_mix()[2]],
+                DType::F32,
+                CaseLayout::Packed,
+            ),
+        ),
+        Case::new(
+            OP,
+            "rows8_cols16_official_vocab_live_bf16_packed_mixed",
+            live_case(
+                8,
+                16,
+                OFFICIAL_VOCAB,
+                OFFICIAL_PUBLIC,
+                19,
+                settings_mix(),
+                DType::BF16,
+                CaseLayout::Packed,
+            ),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "rows8_cols16_official_vocab_live_f32_padded_mixed",
+            live_case(
+                8,
+                16,
+                OFFICIAL_VOCAB,
+                OFFICIAL_PUBLIC,
+                20,
+                settings_mix(),
+                DType::F32,
+                CaseLayout::Padded,
+            ),
         )
         .heavy(),
     ]

@@ -3,9 +3,11 @@
 
 #![allow(clippy::needless_range_loop)] // reason: index loops mirror the contract's formulas
 
-use crate::{OpsError, Result};
+use std::borrow::Cow;
 
-use super::{OP, Params};
+use crate::{OpsError, Result, bf16};
+
+use super::{OP, Params, SAMPLED};
 
 /// Host views of the per-row settings.
 pub(super) struct HostSampling<'a> {
@@ -189,13 +191,48 @@ pub(crate) fn distribution(z: &[f32], s: &RowSettings, amax: usize, p: &mut [f32
     }
 }
 
+/// Host view of the logits.
+pub(super) enum HostLogits<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+}
+
+impl HostLogits<'_> {
+    fn len(&self) -> usize {
+        match self {
+            HostLogits::F32(x) => x.len(),
+            HostLogits::Bf16(x) => x.len(),
+        }
+    }
+
+    /// `len` logits from flat index `start`, as f32 (a bf16 logit widened exactly).
+    fn column(&self, start: usize, len: usize) -> Cow<'_, [f32]> {
+        match self {
+            HostLogits::F32(x) => Cow::Borrowed(&x[start..start + len]),
+            HostLogits::Bf16(x) => {
+                Cow::Owned(x[start..start + len].iter().map(|v| v.to_f32()).collect())
+            }
+        }
+    }
+}
+
+/// Host views of the outputs.
+pub(super) enum HostOutputs<'a> {
+    Full(&'a mut [f32]),
+    Live {
+        p: &'a mut [f32],
+        greedy: &'a mut [i32],
+    },
+}
+
 pub(super) fn run(
-    logits: &[f32],
+    logits: &HostLogits<'_>,
+    col_start: Option<&[i32]>,
     live: &[i32],
     counts: &[i32],
     proposals: &[i32],
     s: &HostSampling<'_>,
-    p: &mut [f32],
+    out: HostOutputs<'_>,
     params: &Params,
 ) -> Result<()> {
     let Params {
@@ -206,6 +243,7 @@ pub(super) fn run(
     } = *params;
     // Validate everything before writing anything.
     let mut settings = Vec::with_capacity(rows);
+    let mut first = Vec::with_capacity(rows); // logits column of (r, 0)
     for r in 0..rows {
         settings.push(row_settings(s, r)?);
         let q = live[r];
@@ -217,6 +255,25 @@ pub(super) fn run(
                 q,
             ));
         }
+        let start = match col_start {
+            None => r * cols,
+            Some(cs) => {
+                let have = logits.len() / vocab;
+                let c = cs[r];
+                if !(c >= 0 && (c as usize).saturating_add(q as usize) <= have) {
+                    return Err(bad(
+                        "col_start",
+                        r,
+                        &format!(
+                            "a first logits column with its {q} live columns inside the {have} columns of the logits"
+                        ),
+                        c,
+                    ));
+                }
+                c as usize
+            }
+        };
+        first.push(start);
         for j in 0..q as usize - 1 {
             let idx = r * (cols - 1) + j;
             let d = proposals[idx];
@@ -230,14 +287,27 @@ pub(super) fn run(
             }
         }
     }
-    if let Some(i) = counts.iter().position(|&c| c < 0) {
+    if let Some(i) = counts[..rows * vocab].iter().position(|&c| c < 0) {
         return Err(bad("counts", i, "a token count >= 0", counts[i]));
     }
+    // The processed logits of every live column, validated (then recomputed when writing:
+    // this keeps one column in memory at a time).
+    let processed = |r: usize, i: usize| {
+        let base = (first[r] + i) * vocab;
+        let col = logits.column(base, public_vocab);
+        let hist = &proposals[r * (cols - 1)..r * (cols - 1) + i];
+        let z = processed_logits(
+            &col,
+            &counts[r * vocab..(r + 1) * vocab],
+            hist,
+            public_vocab,
+            &settings[r],
+        );
+        (base, col, z)
+    };
     for r in 0..rows {
-        let q = live[r] as usize;
-        for i in 0..q {
-            let base = (r * cols + i) * vocab;
-            let col = &logits[base..base + public_vocab];
+        for i in 0..live[r] as usize {
+            let (base, col, z) = processed(r, i);
             if let Some(v) = col.iter().position(|x| x.is_nan() || *x == f32::INFINITY) {
                 return Err(bad(
                     "logits",
@@ -248,14 +318,6 @@ pub(super) fn run(
                     col[v],
                 ));
             }
-            let hist = &proposals[r * (cols - 1)..r * (cols - 1) + i];
-            let z = processed_logits(
-                col,
-                &counts[r * vocab..(r + 1) * vocab],
-                hist,
-                public_vocab,
-                &settings[r],
-            );
             if let Some(v) = z.iter().position(|x| *x == f32::INFINITY || x.is_nan()) {
                 return Err(bad(
                     "logits",
@@ -276,25 +338,37 @@ pub(super) fn run(
             }
         }
     }
-    for r in 0..rows {
-        let q = live[r] as usize;
-        for i in 0..cols {
-            let base = (r * cols + i) * vocab;
-            let out = &mut p[base..base + vocab];
-            if i >= q {
-                out.fill(0.0);
-                continue;
+    match out {
+        HostOutputs::Full(p) => {
+            for r in 0..rows {
+                let q = live[r] as usize;
+                for i in 0..cols {
+                    let base = (r * cols + i) * vocab;
+                    let out = &mut p[base..base + vocab];
+                    if i >= q {
+                        out.fill(0.0);
+                        continue;
+                    }
+                    let (_, _, z) = processed(r, i);
+                    let amax = argmax(&z).unwrap_or(0); // validated above
+                    distribution(&z, &settings[r], amax, out);
+                }
             }
-            let hist = &proposals[r * (cols - 1)..r * (cols - 1) + i];
-            let z = processed_logits(
-                &logits[base..base + public_vocab],
-                &counts[r * vocab..(r + 1) * vocab],
-                hist,
-                public_vocab,
-                &settings[r],
-            );
-            let amax = argmax(&z).unwrap_or(0); // validated above
-            distribution(&z, &settings[r], amax, out);
+        }
+        HostOutputs::Live { p, greedy } => {
+            for r in 0..rows {
+                for i in 0..live[r] as usize {
+                    let (_, _, z) = processed(r, i);
+                    let amax = argmax(&z).unwrap_or(0); // validated above
+                    if settings[r].temperature <= 0.0 {
+                        greedy[r * cols + i] = amax as i32;
+                    } else {
+                        greedy[r * cols + i] = SAMPLED;
+                        let base = (r * cols + i) * vocab;
+                        distribution(&z, &settings[r], amax, &mut p[base..base + vocab]);
+                    }
+                }
+            }
         }
     }
     Ok(())

@@ -499,3 +499,412 @@ fn registered_light_cases_have_margins_and_mix_behaviours() {
         "{onehot} {dead} {filtered}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// The `Live` form, dtypes and column layouts.
+
+/// Inputs of one CPU call in any form.
+struct Call<'a> {
+    /// Stored logits (f32 values; `bf16` stores their bf16 rounding).
+    logits: &'a [f32],
+    bf16: bool,
+    /// `None`: [`Columns::Padded`].
+    col_start: Option<&'a [i32]>,
+    live: &'a [i32],
+    counts: &'a [i32],
+    proposals: &'a [i32],
+    settings: &'a [Settings],
+    params: Params,
+    /// Rows the p and greedy buffers hold (`>= params.rows`).
+    out_rows: usize,
+    /// `Live` (else `Full`).
+    live_form: bool,
+}
+
+/// (p, greedy) after the call (both poisoned before it), or the error after checking that
+/// nothing was written.
+fn call(c: &Call<'_>) -> std::result::Result<(Vec<f32>, Vec<i32>), OpsError> {
+    let be = Backend::cpu();
+    let Params { cols, vocab, .. } = c.params;
+    let lf = be.upload(c.logits).expect("upload");
+    let widened: Vec<bf16> = c.logits.iter().map(|&x| bf16::from_f32(x)).collect();
+    let lb = be.upload(&widened).expect("upload");
+    let logits = if c.bf16 {
+        Logits::Bf16(&lb)
+    } else {
+        Logits::F32(&lf)
+    };
+    let cs = be.upload(c.col_start.unwrap_or(&[])).expect("upload");
+    let columns = match c.col_start {
+        Some(_) => Columns::Starts(&cs),
+        None => Columns::Padded,
+    };
+    let lv = be.upload(c.live).expect("upload");
+    let ct = be.upload(c.counts).expect("upload");
+    let d = be.upload(c.proposals).expect("upload");
+    let s = SamplingBuffers::upload(&be, c.settings).expect("upload");
+    let mut p = be
+        .filled(c.out_rows * cols * vocab, f32::POISON)
+        .expect("alloc");
+    let mut g = be.filled(c.out_rows * cols, i32::POISON).expect("alloc");
+    let out = if c.live_form {
+        Outputs::Live {
+            p: &mut p,
+            greedy: &mut g,
+        }
+    } else {
+        Outputs::Full(&mut p)
+    };
+    let r = run_with(
+        &be,
+        logits,
+        columns,
+        &lv,
+        &ct,
+        &d,
+        &s.view(),
+        out,
+        &c.params,
+    );
+    let (p, g) = (be.download(&p).expect("dl"), be.download(&g).expect("dl"));
+    match r {
+        Ok(()) => Ok((p, g)),
+        Err(e) => {
+            assert!(
+                p.iter().all(|x| x.to_bits() == f32::POISON.to_bits())
+                    && g.iter().all(|&x| x == i32::POISON),
+                "a refused call wrote an output: {e}"
+            );
+            Err(e)
+        }
+    }
+}
+
+/// The mixed light case of the registry (greedy and sampled rows, dead columns), small.
+fn mixed(seed: u64) -> (CaseData, Params) {
+    let params = Params {
+        rows: 8,
+        cols: 6,
+        vocab: 300,
+        public_vocab: 280,
+    };
+    (case_data(8, 6, 300, 280, seed, &settings_mix()), params)
+}
+
+fn full_call<'a>(d: &'a CaseData, params: Params) -> Call<'a> {
+    Call {
+        logits: &d.logits,
+        bf16: false,
+        col_start: None,
+        live: &d.live,
+        counts: &d.counts,
+        proposals: &d.proposals,
+        settings: &d.settings,
+        params,
+        out_rows: params.rows,
+        live_form: false,
+    }
+}
+
+fn bits(p: &[f32]) -> Vec<u32> {
+    p.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn live_greedy_columns_write_only_their_argmax_and_leave_p_untouched() {
+    for seed in 0..4 {
+        let (d, params) = mixed(40 + seed);
+        let Params {
+            rows, cols, vocab, ..
+        } = params;
+        let (full, _) = call(&full_call(&d, params)).expect("full");
+        let (p, greedy) = call(&Call {
+            live_form: true,
+            ..full_call(&d, params)
+        })
+        .expect("live");
+        let (mut greedy_cols, mut sampled_cols, mut dead_cols) = (0, 0, 0);
+        for rc in 0..rows * cols {
+            let (r, i) = (rc / cols, rc % cols);
+            let row = rc * vocab..(rc + 1) * vocab;
+            let untouched = p[row.clone()]
+                .iter()
+                .all(|x| x.to_bits() == f32::POISON.to_bits());
+            if i >= d.live[r] as usize {
+                dead_cols += 1;
+                assert!(untouched, "dead column ({r}, {i}): p untouched");
+                assert_eq!(
+                    greedy[rc],
+                    i32::POISON,
+                    "dead column ({r}, {i}): greedy untouched"
+                );
+            } else if d.settings[r].temperature <= 0.0 {
+                greedy_cols += 1;
+                let one = full[row.clone()].iter().position(|&x| x == 1.0);
+                assert_eq!(Some(greedy[rc] as usize), one, "greedy id ({r}, {i})");
+                assert!(untouched, "greedy column ({r}, {i}) wrote p");
+            } else {
+                sampled_cols += 1;
+                assert_eq!(greedy[rc], SAMPLED, "sampled column ({r}, {i})");
+                assert_eq!(bits(&p[row.clone()]), bits(&full[row]), "p ({r}, {i})");
+            }
+        }
+        assert!(greedy_cols > 0 && sampled_cols > 0 && dead_cols > 0);
+    }
+}
+
+#[test]
+fn bf16_logits_give_the_result_of_their_f32_widening() {
+    let (d, params) = mixed(50);
+    let widened: Vec<f32> = d
+        .logits
+        .iter()
+        .map(|&x| bf16::from_f32(x).to_f32())
+        .collect();
+    assert!(
+        widened.iter().zip(&d.logits).any(|(a, b)| a != b),
+        "the fixture is not bf16-exact, so the rounding matters"
+    );
+    for live_form in [false, true] {
+        let base = Call {
+            live_form,
+            ..full_call(&d, params)
+        };
+        let from_bf16 = call(&Call { bf16: true, ..base }).expect("bf16");
+        let from_f32 = call(&Call {
+            logits: &widened,
+            ..base
+        })
+        .expect("f32");
+        assert_eq!(
+            bits(&from_bf16.0),
+            bits(&from_f32.0),
+            "p, live form {live_form}"
+        );
+        assert_eq!(from_bf16.1, from_f32.1, "greedy, live form {live_form}");
+    }
+}
+
+#[test]
+fn packed_logits_give_the_result_of_padded_logits() {
+    let (mut d, params) = mixed(60);
+    let Params {
+        rows, cols, vocab, ..
+    } = params;
+    // Dead columns of the padded logits hold NaN: never read.
+    for rc in 0..rows * cols {
+        if rc % cols >= d.live[rc / cols] as usize {
+            d.logits[rc * vocab..(rc + 1) * vocab].fill(f32::NAN);
+        }
+    }
+    let (packed, starts) = stored_logits(&d, cols, vocab, CaseLayout::Packed);
+    let live_cols: usize = d.live.iter().map(|&q| q as usize).sum();
+    assert_eq!(
+        packed.len(),
+        live_cols * vocab,
+        "packed holds only live columns"
+    );
+    let (_, padded_starts) = stored_logits(&d, cols, vocab, CaseLayout::Padded);
+    for live_form in [false, true] {
+        for bf16 in [false, true] {
+            let base = Call {
+                live_form,
+                bf16,
+                ..full_call(&d, params)
+            };
+            let padded = call(&base).expect("padded");
+            let through_starts = call(&Call {
+                col_start: Some(&padded_starts),
+                ..base
+            })
+            .expect("padded starts");
+            let from_packed = call(&Call {
+                logits: &packed,
+                col_start: Some(&starts),
+                ..base
+            })
+            .expect("packed");
+            for other in [&through_starts, &from_packed] {
+                assert_eq!(bits(&padded.0), bits(&other.0), "p ({live_form}, {bf16})");
+                assert_eq!(padded.1, other.1, "greedy ({live_form}, {bf16})");
+            }
+        }
+    }
+}
+
+#[test]
+fn col_start_must_place_every_live_column_inside_the_logits() {
+    let (d, params) = mixed(70);
+    let Params { cols, vocab, .. } = params;
+    let (packed, starts) = stored_logits(&d, cols, vocab, CaseLayout::Packed);
+    let base = Call {
+        logits: &packed,
+        col_start: Some(&starts),
+        live_form: true,
+        ..full_call(&d, params)
+    };
+    call(&base).expect("valid");
+    let value = |e: OpsError| match e {
+        OpsError::Value { tensor, index, .. } => (tensor, index),
+        other => panic!("expected a Value error, got {other}"),
+    };
+    // The last row's live columns run one column past the end.
+    let mut past = starts.clone();
+    past[7] += 1;
+    let e = call(&Call {
+        col_start: Some(&past),
+        ..base
+    })
+    .expect_err("past the end");
+    assert_eq!(value(e), ("col_start", 7));
+    let mut negative = starts.clone();
+    negative[3] = -1;
+    let e = call(&Call {
+        col_start: Some(&negative),
+        ..base
+    })
+    .expect_err("negative");
+    assert_eq!(value(e), ("col_start", 3));
+    // Logits that are not whole vocabulary columns, and a short col_start.
+    let e = call(&Call {
+        logits: &packed[..packed.len() - 1],
+        ..base
+    })
+    .expect_err("ragged logits");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "logits",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = call(&Call {
+        col_start: Some(&starts[..7]),
+        ..base
+    })
+    .expect_err("short col_start");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "col_start",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // Rows may overlap and columns past the live ones may be missing: each row only needs
+    // its own live columns.
+    let mut shared = starts.clone();
+    shared[1] = 0;
+    call(&Call {
+        col_start: Some(&shared),
+        ..base
+    })
+    .expect("rows reading the same columns");
+}
+
+#[test]
+fn a_call_of_fewer_rows_than_its_buffers_leaves_the_extra_rows_untouched() {
+    let (d, params) = mixed(80);
+    let Params { cols, vocab, .. } = params;
+    let n = 3;
+    let small = Params { rows: n, ..params };
+    for live_form in [false, true] {
+        // Buffers planned for 8 rows (inputs included), a call of 3.
+        let (p8, g8) = call(&Call {
+            params: small,
+            live_form,
+            ..full_call(&d, params)
+        })
+        .expect("3 of 8 rows");
+        // The same 3 rows with exactly sized buffers.
+        let (p3, g3) = call(&Call {
+            logits: &d.logits[..n * cols * vocab],
+            live: &d.live[..n],
+            counts: &d.counts[..n * vocab],
+            proposals: &d.proposals[..n * (cols - 1)],
+            settings: &d.settings[..n],
+            params: small,
+            out_rows: n,
+            live_form,
+            ..full_call(&d, params)
+        })
+        .expect("3 rows");
+        assert_eq!(bits(&p8[..p3.len()]), bits(&p3));
+        assert_eq!(&g8[..g3.len()], &g3[..]);
+        assert!(
+            p8[p3.len()..]
+                .iter()
+                .all(|x| x.to_bits() == f32::POISON.to_bits())
+        );
+        assert!(g8[g3.len()..].iter().all(|&x| x == i32::POISON));
+    }
+    // Buffers must still hold whole rows, at least `rows` of them.
+    let e = call(&Call {
+        out_rows: 2,
+        params: small,
+        ..full_call(&d, params)
+    })
+    .expect_err("p of 2 rows for 3");
+    assert!(matches!(e, OpsError::Length { tensor: "p", .. }), "{e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Whatever the settings, dtype and layout: the `Live` form writes, per live column,
+    /// exactly the `Full` form's one-hot id (greedy) or its p row (sampled), and nothing else.
+    #[test]
+    fn the_live_form_is_the_full_form_restricted_to_what_verification_reads(
+        vocab in 2usize..40,
+        cols in 1usize..5,
+        rows in 1usize..4,
+        seed in any::<u64>(),
+        s in settings_strategy(),
+        bf16 in any::<bool>(),
+        packed in any::<bool>(),
+    ) {
+        let public = (vocab - vocab / 6).max(1);
+        let params = Params { rows, cols, vocab, public_vocab: public };
+        let mut g = Gen::new(seed);
+        let settings = vec![s; rows];
+        let mut d = case_data(rows, cols, vocab, public, seed, &settings);
+        for x in d.logits.iter_mut() {
+            *x = g.unit() * 8.0 - 4.0;
+        }
+        let (stored, starts) = stored_logits(
+            &d,
+            cols,
+            vocab,
+            if packed { CaseLayout::Packed } else { CaseLayout::Padded },
+        );
+        let full = call(&Call { bf16, ..full_call(&d, params) }).expect("full");
+        let (p, greedy) = call(&Call {
+            logits: &stored,
+            col_start: Some(&starts),
+            bf16,
+            live_form: true,
+            ..full_call(&d, params)
+        })
+        .expect("live");
+        for rc in 0..rows * cols {
+            let row = rc * vocab..(rc + 1) * vocab;
+            let is_live = rc % cols < d.live[rc / cols] as usize;
+            if !is_live {
+                prop_assert_eq!(greedy[rc], i32::POISON);
+                prop_assert!(p[row].iter().all(|x| x.to_bits() == f32::POISON.to_bits()));
+            } else if s.temperature <= 0.0 {
+                let one = full.0[row.clone()].iter().position(|&x| x == 1.0);
+                prop_assert_eq!(Some(greedy[rc] as usize), one);
+                prop_assert!(p[row].iter().all(|x| x.to_bits() == f32::POISON.to_bits()));
+            } else {
+                prop_assert_eq!(greedy[rc], SAMPLED);
+                prop_assert_eq!(bits(&p[row.clone()]), bits(&full.0[row]));
+            }
+        }
+    }
+}
