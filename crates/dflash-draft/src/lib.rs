@@ -14,7 +14,7 @@
 //! - [`TargetParts`]: the target's embedding and proposal head, lent by the caller per call.
 //! - [`synthetic`]: synthetic checkpoints and target parts for tests and benchmarks.
 //! - [`tool`]: the `propose` inspection tool's library side.
-//! - [`conformance_cases`]: whole-block CPU-vs-device conformance cases.
+//! - `conformance_cases` (feature `conformance`): whole-block CPU-vs-device conformance cases.
 //!
 //! A round, per request with frontier F and anchor a (context covering `[0, F)`):
 //! `x = embed([a, MASK x K])` at positions `F..F+K`, the draft layers, the final norm of the
@@ -57,6 +57,7 @@
 
 #![deny(missing_docs)]
 
+#[cfg(feature = "conformance")]
 mod conformance;
 mod error;
 mod load;
@@ -66,6 +67,7 @@ mod target;
 pub mod tool;
 pub mod weights;
 
+#[cfg(feature = "conformance")]
 pub use conformance::conformance_cases;
 pub use error::{DraftError, Result};
 pub use load::{ConfigReport, config_file_error, parse_draft_config};

@@ -3,8 +3,11 @@
 //!
 //! Layout: one module folder per op (`<op>/mod.rs` holds the contract and the public entry
 //! `run`, `<op>/reference.rs` the CPU reference, `<op>/cuda.rs` the launcher of
-//! `kernels/<op>.cu`). The op's name is its module, kernel file, CUDA symbol prefix, registry
-//! id ([`OPS`]) and bench id. [`registry::cases`] lists every conformance case.
+//! `kernels/<op>.cu` where the op has a kernel of its own: `gemm` calls cuBLAS,
+//! `feature_projection` cuBLAS and a `rms_norm` kernel). The op's name is its module, registry
+//! id ([`OPS`]), bench id and, where it has them, its kernel file and CUDA symbol prefix. The
+//! conformance registry (`registry`: every op's cases, their comparison) is built only with
+//! the feature `conformance`.
 //!
 //! This crate depends on no other workspace crate: an engine can take one op alone.
 
@@ -13,6 +16,7 @@ pub mod backend;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
+#[cfg(any(test, feature = "conformance"))]
 pub mod registry;
 pub mod rng;
 
@@ -61,6 +65,7 @@ pub const OPS: &[&str] = &[
 ];
 
 /// The case collectors of every op, in registry order.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OP_CASES: &[fn() -> Vec<registry::Case>] = &[
     rms_norm::cases,
     head_norm_rope::cases,

@@ -1,4 +1,4 @@
-//! The registry of op contracts and conformance cases.
+//! The registry of op contracts and conformance cases (feature `conformance`).
 //!
 //! Every op contributes [`Case`]s: a named, deterministic input set at a concrete shape (at
 //! least two per op, including the official geometries) and a closure that runs the op on a
@@ -83,7 +83,7 @@ pub struct CaseRun {
 
 /// A runnable conformance case.
 pub struct Case {
-    /// The op's registry id (= module name = kernel file stem).
+    /// The op's registry id (= module name = kernel file stem where the op has a kernel file).
     pub op: &'static str,
     /// The case name, unique within the op.
     pub name: String,

@@ -54,9 +54,13 @@ mod tests;
 
 use half::bf16;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::proposal_argmax::Mix;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseOutput, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+use crate::{Backend, Buffer, OpsError, Result, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "candidate_selector";
@@ -290,6 +294,7 @@ pub(crate) fn seed_of(seeds: &[i32], b: usize) -> u64 {
 
 /// Host data of one conformance fixture.
 #[derive(Clone, Debug)]
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) struct Fixture {
     pub(crate) p: Params,
     pub(crate) g: Vec<bf16>,
@@ -304,8 +309,10 @@ pub(crate) struct Fixture {
 }
 
 /// Greedy decisions keep the best edge score at least this far above the runner-up.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const GREEDY_MARGIN: f32 = 1e-3;
 /// Sampled decisions keep the uniform at least this far from every prefix sum of q.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const DRAW_MARGIN: f32 = 1e-4;
 
 /// A deterministic fixture: g ~ U(-1,1), codebook entries of magnitude in [1/64, 1/4) (BF16), 16 distinct
@@ -317,6 +324,7 @@ pub(crate) const DRAW_MARGIN: f32 = 1e-4;
 /// score (which keeps the decision and every later step); a sampled row whose uniform falls
 /// within [`DRAW_MARGIN`] of a prefix sum gets a new seed and is walked again. So a device
 /// whose sums differ in order (~1e-6) makes the same decisions.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn fixture(p: Params, temps: &[f32], seed: u64) -> Fixture {
     let Params {
         rows,
@@ -400,6 +408,7 @@ pub(crate) fn fixture(p: Params, temps: &[f32], seed: u64) -> Fixture {
 
 /// Walk row `b` of a fixture with the reference, widening greedy margins in place; false when
 /// a sampled draw lands within [`DRAW_MARGIN`] of a prefix sum (the caller re-seeds the row).
+#[cfg(any(test, feature = "conformance"))]
 fn margin_walk(
     g: &[bf16],
     cand: &[i32],
@@ -451,6 +460,7 @@ fn margin_walk(
 }
 
 /// Upload a fixture, run the op on poisoned outputs, check inputs and footprint.
+#[cfg(any(test, feature = "conformance"))]
 fn run_fixture(be: &Backend, f: &Fixture) -> Result<CaseRun> {
     let p = f.p;
     let mut ic = InputCheck::default();
@@ -534,6 +544,7 @@ fn run_fixture(be: &Backend, f: &Fixture) -> Result<CaseRun> {
     })
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     p: Params,
     temps: &'static [f32],
@@ -543,6 +554,7 @@ fn case(
 }
 
 /// Official DFlash2 selector geometry: R 256 over the 248320-row vocabulary.
+#[cfg(any(test, feature = "conformance"))]
 const fn official(rows: usize, k: usize) -> Params {
     Params {
         rows,
@@ -554,6 +566,7 @@ const fn official(rows: usize, k: usize) -> Params {
 
 /// Conformance cases: official geometry (R 256, vocab 248320; K 1, 7, 15; rows 1 and 8) at
 /// temperature 0, 1.0 and 0.6 (and mixed per row), plus light shapes with an odd rank.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     const GREEDY: &[f32] = &[0.0];
     const T1: &[f32] = &[1.0];

@@ -55,9 +55,13 @@ mod tests;
 
 use half::{bf16, f16};
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::gemm::data::{SplitMix, max_abs_bf16};
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+use crate::{Backend, Buffer, OpsError, Result, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "context_kv_materialize";
@@ -371,6 +375,7 @@ pub(crate) fn slot_of(layout: &CacheLayout, slots: &[i32], r: usize, pos: u64) -
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 struct CaseSpec {
     rows: usize,
     cols: usize,
@@ -384,6 +389,7 @@ struct CaseSpec {
     seed: u64,
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(spec: CaseSpec) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let s = &spec;
@@ -471,6 +477,7 @@ fn case(spec: CaseSpec) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
 }
 
 /// Conformance cases.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     let ring = |lanes, capacity| CacheLayout::Ring { lanes, capacity };
     vec![

@@ -54,9 +54,13 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
+#[cfg(any(test, feature = "conformance"))]
 use crate::residual_add::bf16_values;
-use crate::{Backend, Buffer, Element, OpsError, Result, bf16, check_len, check_param};
+use crate::{Backend, Buffer, OpsError, Result, bf16, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "dynamic_grouped_conv";
@@ -65,6 +69,7 @@ pub const OP: &str = "dynamic_grouped_conv";
 pub const GROUP: usize = 16;
 
 /// The comparison criterion of every output.
+#[cfg(any(test, feature = "conformance"))]
 pub const CRITERION: Criterion = Criterion::Close {
     abs: 1e-4,
     rel: 0.0,
@@ -271,6 +276,7 @@ pub fn finish(
 
 /// Deterministic inputs of a case: the branch input x (a residual stream), norm weights
 /// around 1, base coefficients, and W_delta scaled so that the increments are O(0.5).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) struct CaseInputs {
     pub(crate) x: Vec<bf16>,
     pub(crate) norm_w: Vec<bf16>,
@@ -278,6 +284,7 @@ pub(crate) struct CaseInputs {
     pub(crate) w_delta: Vec<bf16>,
 }
 
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn case_inputs(p: &ConvParams, seed: u64) -> CaseInputs {
     let (h, g) = (p.hidden, p.groups());
     let n = p.rows * p.cols * h;
@@ -292,6 +299,7 @@ pub(crate) fn case_inputs(p: &ConvParams, seed: u64) -> CaseInputs {
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn prepare_case(p: ConvParams, seed: u64) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let d = case_inputs(&p, seed);
@@ -343,6 +351,7 @@ fn prepare_case(p: ConvParams, seed: u64) -> impl Fn(&Backend) -> Result<CaseRun
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn finish_case(p: ConvParams, seed: u64) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let act = p.rows * p.cols * p.hidden;
@@ -372,6 +381,7 @@ fn finish_case(p: ConvParams, seed: u64) -> impl Fn(&Backend) -> Result<CaseRun>
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn params(rows: usize, cols: usize, hidden: usize) -> ConvParams {
     ConvParams {
         rows,
@@ -385,6 +395,7 @@ fn params(rows: usize, cols: usize, hidden: usize) -> ConvParams {
 /// Conformance cases: the official 27B DFlash2 width (H 5120, G 320) with rows 1 and 8 and
 /// cols 2, 8 and 16 (the largest prepare runs are heavy on the CPU), a tiny H = 32 case, and
 /// the cols = 1 edge (no preceding tap anywhere), for both entries.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(

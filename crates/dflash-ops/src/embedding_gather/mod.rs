@@ -22,8 +22,11 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, bf16, check_len, check_param};
+use crate::{Backend, Buffer, OpsError, Result, bf16, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "embedding_gather";
@@ -82,6 +85,7 @@ pub fn run(
 }
 
 /// A cheap deterministic table value (distinct rows, finite, both signs): element `i`.
+#[cfg(any(test, feature = "conformance"))]
 fn table_value(seed: u64, i: u64) -> bf16 {
     let mut z = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
     z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -92,6 +96,7 @@ fn table_value(seed: u64, i: u64) -> bf16 {
     bf16::from_bits(sign | (exp << 7) | (z & 0x7f) as u16)
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     vocab: usize,
     hidden: usize,
@@ -132,6 +137,7 @@ fn case(
 
 /// A draft block `[anchor, MASK x k]` for each of `rows` requests (anchors spread over the
 /// vocabulary, including its first and last rows).
+#[cfg(any(test, feature = "conformance"))]
 fn block_ids(rows: usize, k: usize, vocab: usize, mask: i32) -> Vec<i32> {
     let mut ids = Vec::with_capacity(rows * (k + 1));
     for r in 0..rows {
@@ -150,6 +156,7 @@ fn block_ids(rows: usize, k: usize, vocab: usize, mask: i32) -> Vec<i32> {
 /// with the official H = 2048 against a 4096-row table (light), the official 35B-A3B table
 /// (vocab 248320, H 2048, mask id 248070; the 1 GiB table makes it heavy) with n = 128, a
 /// 27B-width row, and a width that is not a multiple of 8 (the kernel's scalar path).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     const V: usize = 248_320;
     const MASK: i32 = 248_070;

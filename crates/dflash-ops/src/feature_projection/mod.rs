@@ -34,9 +34,13 @@ mod tests;
 
 use half::bf16;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::gemm::data::{SplitMix, max_abs_bf16};
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+use crate::{Backend, Buffer, OpsError, Result, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "feature_projection";
@@ -156,6 +160,7 @@ pub fn run_with_scratch(
 }
 
 /// The comparison criterion of the module contract.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn criterion(context_norm: &[bf16]) -> Criterion {
     Criterion::Close {
         abs: 1e-4 * max_abs_bf16(context_norm),
@@ -164,6 +169,7 @@ pub(crate) fn criterion(context_norm: &[bf16]) -> Criterion {
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     tokens: usize,
     n_ids: usize,
@@ -214,6 +220,7 @@ fn case(
 }
 
 /// Conformance cases (official: 35B n_ids 8 H 2048; 27B n_ids 5 H 5120).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(OP, "small_t5_ids3_h64", case(5, 3, 64, 41)),

@@ -28,6 +28,7 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) mod data;
 pub(crate) mod reference;
 #[cfg(test)]
@@ -35,8 +36,11 @@ mod tests;
 
 use half::bf16;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, Result, check_len, check_param};
+use crate::{Backend, Buffer, Result, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "gemm";
@@ -129,6 +133,7 @@ pub fn run_bf16(
 }
 
 /// The comparison criterion of the module contract for operands bounded by `amax`, `wmax`.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn criterion(k: usize, amax: f64, wmax: f64, bf16_out: bool) -> Criterion {
     Criterion::Close {
         abs: 1e-4 * (k as f64).sqrt() * amax * wmax,
@@ -137,6 +142,7 @@ pub(crate) fn criterion(k: usize, amax: f64, wmax: f64, bf16_out: bool) -> Crite
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     m: usize,
     n: usize,
@@ -186,6 +192,7 @@ fn case(
 }
 
 /// Conformance cases.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(OP, "odd_m3_n17_k33_f32", case(3, 17, 33, 1, false)),

@@ -39,9 +39,13 @@ mod tests;
 
 use half::bf16;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::gemm::data::{SplitMix, max_abs_bf16};
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+use crate::{Backend, Buffer, OpsError, Result, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "head_norm_rope";
@@ -146,6 +150,7 @@ pub fn run(
 }
 
 /// The comparison criterion of the module contract.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn criterion(norm: &[bf16]) -> Criterion {
     Criterion::Close {
         abs: 1e-4 * max_abs_bf16(norm),
@@ -154,6 +159,7 @@ pub(crate) fn criterion(norm: &[bf16]) -> Criterion {
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     rows: usize,
     cols: usize,
@@ -202,6 +208,7 @@ fn case(
 }
 
 /// Conformance cases (official head geometry: D 128, 32 Q heads / 8 KV heads, theta 1e7).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(OP, "q_rows1_w8_h32_pos0", case(1, 8, 32, vec![0], 31)),

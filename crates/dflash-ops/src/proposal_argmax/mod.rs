@@ -69,8 +69,11 @@ pub(crate) mod tests;
 
 use half::bf16;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+use crate::{Backend, Buffer, OpsError, Result, check_len, check_param};
 pub(crate) use reference::beats as reference_beats;
 
 /// Registry id.
@@ -254,8 +257,10 @@ pub fn run(
 
 /// Deterministic fixture generator (SplitMix64), shared by this module's sibling ops.
 #[derive(Clone, Debug)]
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) struct Mix(pub(crate) u64);
 
+#[cfg(any(test, feature = "conformance"))]
 impl Mix {
     /// SplitMix64's state increment: the stream after `k` words is `Mix(seed + k * GAMMA)`.
     const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -293,10 +298,13 @@ impl Mix {
 }
 
 /// Official Text head rows (Qwen3.5, padded).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OFFICIAL_ROWS: usize = 248_320;
 /// Official public vocabulary (tokenizer ids).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OFFICIAL_PUBLIC: usize = 248_077;
 /// Official shortlist rows of the indexed head.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OFFICIAL_SHORTLIST: usize = 131_072;
 
 /// Conformance inputs of a head case whose logits are exact in FP32 for any summation order
@@ -307,6 +315,7 @@ pub(crate) const OFFICIAL_SHORTLIST: usize = 131_072;
 /// also gets a row `2 * hidden[i]` (clipped to [-1, 1]) in the ignored tail for each column.
 /// With `coarse`, every random entry is -1/2, 0 or 1/2, so random logits are multiples of
 /// 1/4 and the random rows among a top-16 tie often too.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn exact_head_inputs(
     mix: &mut Mix,
     n: usize,
@@ -360,6 +369,7 @@ pub(crate) fn exact_head_inputs(
 /// word, little-endian; the last word's unused bytes are skipped), leaving `mix` after the
 /// ceil(len / 8) words it used. Fills of a million words and more (the official heads) run
 /// on every core (see [`fill_levels_threads`]).
+#[cfg(any(test, feature = "conformance"))]
 fn fill_levels(mix: &mut Mix, len: usize, levels: &[bf16]) -> Vec<bf16> {
     let words = len.div_ceil(8);
     let threads = if words < 1 << 20 {
@@ -373,6 +383,7 @@ fn fill_levels(mix: &mut Mix, len: usize, levels: &[bf16]) -> Vec<bf16> {
 /// [`fill_levels`] with the words split into `threads` ranges, each generated from its own
 /// start (SplitMix64 jumps: word k comes from state seed + (k + 1) GAMMA), so any count gives
 /// the same entries; one range runs on the calling thread.
+#[cfg(any(test, feature = "conformance"))]
 fn fill_levels_threads(mix: &mut Mix, len: usize, levels: &[bf16], threads: usize) -> Vec<bf16> {
     let words = len.div_ceil(8);
     let per = words.div_ceil(threads.max(1)).max(1);
@@ -400,6 +411,7 @@ fn fill_levels_threads(mix: &mut Mix, len: usize, levels: &[bf16], threads: usiz
     out
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     n: usize,
     rows: usize,
@@ -455,8 +467,10 @@ fn case(
 }
 
 /// Official 35B-A3B hidden width (the DFlash head).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OFFICIAL_HIDDEN_35B: usize = 2048;
 /// Official 27B hidden width (the DFlash2 head).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OFFICIAL_HIDDEN_27B: usize = 5120;
 
 /// Conformance cases: the official Text head (248320 rows, 248077 public) at 1, 7, 15 and
@@ -464,6 +478,7 @@ pub(crate) const OFFICIAL_HIDDEN_27B: usize = 5120;
 /// with a shuffled map, coarse fills with many ties, and small odd shapes (fewer rows than one
 /// tile, a hidden width that is not a multiple of the K chunk, 72 columns for the wgmma
 /// driver).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
     let (v, pv, sl) = (OFFICIAL_ROWS, OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);

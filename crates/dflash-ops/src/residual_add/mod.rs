@@ -27,8 +27,11 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, Result, bf16, check_len};
+use crate::{Backend, Buffer, Result, bf16, check_len};
 
 /// Registry id.
 pub const OP: &str = "residual_add";
@@ -93,6 +96,7 @@ pub fn run_inplace(
 }
 
 /// Deterministic BF16 test values: a SplitMix64 stream mapped to `[-scale, scale)`.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn bf16_values(seed: u64, n: usize, scale: f32) -> Vec<bf16> {
     let mut s = seed;
     (0..n)
@@ -108,6 +112,7 @@ pub(crate) fn bf16_values(seed: u64, n: usize, scale: f32) -> Vec<bf16> {
         .collect()
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(n: usize, seed: u64, inplace: bool) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let xs = bf16_values(seed, n, 8.0);
@@ -154,6 +159,7 @@ fn case(n: usize, seed: u64, inplace: bool) -> impl Fn(&Backend) -> Result<CaseR
 
 /// Conformance cases: the official residual streams (35B-A3B DFlash `[8, 16, 2048]`,
 /// 27B DFlash2 `[8, 16, 5120]`), one request with K = 1, and the in-place form.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(

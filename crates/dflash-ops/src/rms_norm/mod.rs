@@ -25,9 +25,13 @@ mod tests;
 
 use half::bf16;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::gemm::data::{SplitMix, max_abs_bf16};
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+use crate::{Backend, Buffer, OpsError, Result, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "rms_norm";
@@ -135,6 +139,7 @@ pub fn run_f32(
 }
 
 /// The comparison criterion of the module contract.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn criterion(w: &[bf16]) -> Criterion {
     Criterion::Close {
         abs: 1e-7 * max_abs_bf16(w),
@@ -143,6 +148,7 @@ pub(crate) fn criterion(w: &[bf16]) -> Criterion {
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     rows: usize,
     hidden: usize,
@@ -193,6 +199,7 @@ fn case(
 }
 
 /// Conformance cases.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(OP, "odd_rows3_h33_bf16", case(3, 33, false, 21)),

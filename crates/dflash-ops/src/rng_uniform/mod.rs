@@ -21,8 +21,11 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, Result, check_len};
+use crate::{Backend, Buffer, Result, check_len};
 
 /// Registry id.
 pub const OP: &str = "rng_uniform";
@@ -57,6 +60,7 @@ pub fn run(
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(n: usize, seed_base: u64) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let mut seeds = Vec::with_capacity(2 * n);
@@ -107,6 +111,7 @@ fn case(n: usize, seed_base: u64) -> impl Fn(&Backend) -> Result<CaseRun> + Send
 }
 
 /// Conformance cases.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(OP, "n4096_seed1", case(4096, 1)),

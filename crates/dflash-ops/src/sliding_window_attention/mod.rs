@@ -59,9 +59,14 @@ mod tests;
 
 use half::{bf16, f16};
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, InputCheck};
-use crate::softmax_attention::attend::{self, CaseRng, Geometry, Inputs, Lens};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
+#[cfg(any(test, feature = "conformance"))]
+use crate::softmax_attention::attend::CaseRng;
+use crate::softmax_attention::attend::{self, Geometry, Inputs, Lens};
+use crate::{Backend, Buffer, OpsError, Result, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "sliding_window_attention";
@@ -211,6 +216,7 @@ pub fn run(
 
 /// One conformance case: rows given as (F, live); row r uses lane `lanes - 1 - r` of
 /// `rows + 1` lanes (one lane unused), every ring slot filled (old bytes included).
+#[cfg(any(test, feature = "conformance"))]
 struct CaseSpec {
     q_heads: usize,
     kv_heads: usize,
@@ -221,6 +227,7 @@ struct CaseSpec {
     seed: u64,
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(spec: CaseSpec) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let s = &spec;
@@ -271,6 +278,7 @@ fn case(spec: CaseSpec) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
 }
 
 /// Conformance cases.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     let official = |window, cols, rows: Vec<(i32, i32)>, seed| CaseSpec {
         q_heads: 32,

@@ -8,8 +8,11 @@
 use crate::bf16_rne_f64;
 use half::{bf16, f16};
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{CaseOutput, Criterion, output};
-use crate::{Element, OpsError, Result, check_len, check_param};
+use crate::{OpsError, Result, check_len, check_param};
 
 /// Largest head dimension the CUDA kernels support (padded to 256 in shared memory).
 pub(crate) const MAX_HEAD_DIM: usize = 256;
@@ -505,6 +508,7 @@ impl Vals<'_> {
 /// Comparison criterion of the attention output: FP32 device math against the f64 oracle,
 /// both rounded once to bf16, may differ by a rounding-boundary flip (2 bf16 ulps admit a
 /// flip next to a binade edge) or by a tiny absolute amount near zero.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) const OUT_CRITERION: Criterion = Criterion::Close {
     abs: 1e-4,
     rel: 0.0,
@@ -512,8 +516,10 @@ pub(crate) const OUT_CRITERION: Criterion = Criterion::Close {
 };
 
 /// Deterministic case data (SplitMix64), independent of any RNG crate.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) struct CaseRng(u64);
 
+#[cfg(any(test, feature = "conformance"))]
 impl CaseRng {
     /// A generator seeded with `seed`.
     pub(crate) fn new(seed: u64) -> Self {
@@ -562,6 +568,7 @@ impl CaseRng {
 
 /// The case outputs of an attention run: `out` (close, every element written) and, when some
 /// column is dead, `out_dead` (the dead columns' bits, exact: +0.0 everywhere).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn case_outputs(g: &Geometry, live: &[i32], after: &[bf16]) -> Vec<CaseOutput> {
     let before = vec![bf16::POISON; after.len()];
     let mut outs = vec![output("out", OUT_CRITERION, &before, after, |_| true)];

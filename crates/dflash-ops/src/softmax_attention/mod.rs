@@ -126,9 +126,14 @@ mod tests;
 
 use half::{bf16, f16};
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, InputCheck};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len, check_param};
-use attend::{CaseRng, Geometry, Lens};
+use crate::{Backend, Buffer, OpsError, Result, check_len, check_param};
+#[cfg(any(test, feature = "conformance"))]
+use attend::CaseRng;
+use attend::{Geometry, Lens};
 
 /// Registry id.
 pub const OP: &str = "softmax_attention";
@@ -293,6 +298,7 @@ pub fn run(
 
 /// One conformance case: rows given as (F, live), a scattered page table (pages assigned
 /// from a random permutation of a pool with `spare` unused pages, unused entries -1).
+#[cfg(any(test, feature = "conformance"))]
 struct CaseSpec {
     q_heads: usize,
     kv_heads: usize,
@@ -304,6 +310,7 @@ struct CaseSpec {
     seed: u64,
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(spec: CaseSpec) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let s = &spec;
@@ -370,6 +377,7 @@ fn case(spec: CaseSpec) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
 }
 
 /// Conformance cases.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     let official = |cols, page_size, rows: Vec<(i32, i32)>, seed| CaseSpec {
         q_heads: 32,

@@ -28,14 +28,19 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
+#[cfg(any(test, feature = "conformance"))]
 use crate::residual_add::bf16_values;
-use crate::{Backend, Buffer, Element, Result, bf16, check_len, check_param};
+use crate::{Backend, Buffer, Result, bf16, check_len, check_param};
 
 /// Registry id.
 pub const OP: &str = "swiglu";
 
 /// The comparison criterion of `out`.
+#[cfg(any(test, feature = "conformance"))]
 pub const CRITERION: Criterion = Criterion::Close {
     abs: 1e-12,
     rel: 0.0,
@@ -124,6 +129,7 @@ pub fn run_fused(
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     rows: usize,
     inter: usize,
@@ -180,6 +186,7 @@ fn case(
 
 /// Conformance cases: the official MLP widths (27B DFlash2 I = 17408 with 8 x 16 rows,
 /// 35B-A3B DFlash I = 6144), one K = 1 request, the fused layout and an odd width.
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     vec![
         Case::new(OP, "dflash2_27b_rows128_i17408", case(128, 17408, false, 1)),

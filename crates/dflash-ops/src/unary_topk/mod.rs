@@ -60,13 +60,18 @@ mod tests;
 
 use half::bf16;
 
+#[cfg(any(test, feature = "conformance"))]
+use crate::Element;
+use crate::proposal_argmax::head;
+#[cfg(any(test, feature = "conformance"))]
 use crate::proposal_argmax::{
     Mix, OFFICIAL_HIDDEN_27B, OFFICIAL_HIDDEN_35B, OFFICIAL_PUBLIC, OFFICIAL_ROWS,
-    OFFICIAL_SHORTLIST, exact_head_inputs, head,
+    OFFICIAL_SHORTLIST, exact_head_inputs,
 };
 pub use crate::proposal_argmax::{Params, ProposalHead};
+#[cfg(any(test, feature = "conformance"))]
 use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
-use crate::{Backend, Buffer, Element, OpsError, Result, check_len};
+use crate::{Backend, Buffer, OpsError, Result, check_len};
 
 /// Registry id.
 pub const OP: &str = "unary_topk";
@@ -139,6 +144,7 @@ pub fn run(
     }
 }
 
+#[cfg(any(test, feature = "conformance"))]
 fn case(
     n: usize,
     rows: usize,
@@ -167,10 +173,12 @@ fn case(
 }
 
 /// Builds a case's hidden `[n, H]` and head `[rows, H]` from `(n, rows, H)`.
+#[cfg(any(test, feature = "conformance"))]
 type Inputs = fn(usize, usize, usize) -> (Vec<bf16>, Vec<bf16>);
 
 /// A full-head case of `n` columns over `rows` head rows of width `hidden` whose inputs
 /// `make(n, rows, hidden)` builds.
+#[cfg(any(test, feature = "conformance"))]
 fn full_case(
     n: usize,
     rows: usize,
@@ -197,6 +205,7 @@ fn full_case(
 /// overflow the epilogue's candidate buffer and must come in several passes. Exact: head row r
 /// is (r's top, middle and low 8 bits, 0...), each a BF16, and the hidden columns hold one
 /// power of two in their first three entries (so `rows` < 2^24 and `hidden` >= 3).
+#[cfg(any(test, feature = "conformance"))]
 fn rising_inputs(n: usize, rows: usize, hidden: usize) -> (Vec<bf16>, Vec<bf16>) {
     let mut x = vec![bf16::ZERO; n * hidden];
     for i in 0..n {
@@ -219,6 +228,7 @@ fn rising_inputs(n: usize, rows: usize, hidden: usize) -> (Vec<bf16>, Vec<bf16>)
 /// Logits all equal within a column (column i: 2^(i % 5)): every block's lists fill with
 /// exact ties, every later logit ties with the threshold, and the top 16 of every column must
 /// still be ids 0..15 (ties to the lower id across blocks, tiles, holders and the merge).
+#[cfg(any(test, feature = "conformance"))]
 fn equal_inputs(n: usize, rows: usize, hidden: usize) -> (Vec<bf16>, Vec<bf16>) {
     let mut x = vec![bf16::ZERO; n * hidden];
     for i in 0..n {
@@ -233,6 +243,7 @@ fn equal_inputs(n: usize, rows: usize, hidden: usize) -> (Vec<bf16>, Vec<bf16>) 
 
 /// Run one conformance case of shape `params` on `be` with these inputs: poisoned outputs
 /// and workspace, the inputs checked unchanged afterwards.
+#[cfg(any(test, feature = "conformance"))]
 fn run_case(
     be: &Backend,
     params: &Params,
@@ -292,6 +303,7 @@ fn run_case(
 /// 131072-row shortlist with a shuffled map, coarse fills with many ties among the 16, rising
 /// and all-equal logits (60000 rows), and small odd shapes (100 columns for the wgmma
 /// driver).
+#[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
     let (v, pv, sl) = (OFFICIAL_ROWS, OFFICIAL_PUBLIC, OFFICIAL_SHORTLIST);
