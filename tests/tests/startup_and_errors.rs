@@ -14,7 +14,7 @@ use dflash_testkit::ReferenceTarget;
 fn try_engine(
     fx: &Fixture,
     opts: &EngineOptions,
-) -> Result<Engine<ReferenceTarget, DraftProposer>, EngineError> {
+) -> Result<Engine<ReferenceTarget, DraftProposer<'static>>, EngineError> {
     let be = Backend::cpu();
     Engine::with_draft(
         fx.target().expect("target"),

@@ -286,7 +286,7 @@ fn check_budget(plan: &MemoryPlan, budget: u64) -> Result<()> {
     Ok(())
 }
 
-impl<T: Target> Engine<T, DraftProposer> {
+impl<'a, T: Target> Engine<T, DraftProposer<'a>> {
     /// Start an engine with the DFlash / DFlash2 draft `model` (bound on `model.backend()`,
     /// which becomes the engine's backend) and the target parts it borrows.
     ///
@@ -299,7 +299,7 @@ impl<T: Target> Engine<T, DraftProposer> {
     pub fn with_draft(
         target: T,
         model: DraftModel,
-        parts: DraftTargetParts,
+        parts: DraftTargetParts<'a>,
         options: &EngineOptions,
     ) -> Result<Self> {
         let (startup, _, draft_plan) = DraftProposer::plan(&model, &parts, options)?;

@@ -149,6 +149,48 @@ impl<'a, T: Element> Borrowed<'a, T> {
     }
 }
 
+/// A buffer a component either owns or borrows from its host (e.g. the target parts an
+/// engine lends the draft): reads are the same either way (it dereferences to a `Buffer`).
+#[derive(Debug)]
+pub enum Held<'a, T: Element> {
+    /// Allocated on (and freed by) the backend.
+    Owned(Buffer<T>),
+    /// The host's memory, read-only.
+    Borrowed(Borrowed<'a, T>),
+}
+
+impl<T: Element> Held<'_, T> {
+    /// Bytes this holder allocated (0 for borrowed memory).
+    pub fn owned_bytes(&self) -> u64 {
+        match self {
+            Held::Owned(b) => (b.len() * std::mem::size_of::<T>()) as u64,
+            Held::Borrowed(_) => 0,
+        }
+    }
+}
+
+impl<T: Element> std::ops::Deref for Held<'_, T> {
+    type Target = Buffer<T>;
+    fn deref(&self) -> &Buffer<T> {
+        match self {
+            Held::Owned(b) => b,
+            Held::Borrowed(b) => b,
+        }
+    }
+}
+
+impl<T: Element> From<Buffer<T>> for Held<'_, T> {
+    fn from(b: Buffer<T>) -> Self {
+        Held::Owned(b)
+    }
+}
+
+impl<'a, T: Element> From<Borrowed<'a, T>> for Held<'a, T> {
+    fn from(b: Borrowed<'a, T>) -> Self {
+        Held::Borrowed(b)
+    }
+}
+
 #[cfg(feature = "cuda")]
 impl<'a, T: Element> Borrowed<'a, T> {
     /// A view of a cudarc slice or view (`&CudaSlice<T>`, `&CudaView<'_, T>`) allocated in

@@ -1,0 +1,100 @@
+//! What an engine that embeds these crates relies on: the target parts it lends are read in
+//! place (never copied, never counted in the memory plan), and a round after warm-up makes no
+//! buffer allocation on the backend.
+
+use dflash_cli::{Fixture, demo_prompts};
+use dflash_config::Backend as DraftBackend;
+use dflash_e2e::{options, plain_outputs, run_checked};
+use dflash_engine::{DraftHead, DraftTargetParts, Engine, Request};
+use dflash_ops::{Backend, Borrowed};
+
+/// The host keeps the embedding and the head (here host vectors, as a CPU target would);
+/// the draft reads them through `Borrowed` views: the proposer's parts report the host's
+/// addresses, the memory plan holds 0 bytes for them, and the greedy output equals plain
+/// decoding and the owned-parts engine's output.
+#[test]
+fn target_parts_are_borrowed_not_copied() {
+    for backend in [DraftBackend::DFlash, DraftBackend::DFlash2] {
+        let fx = Fixture::write(backend).expect("fixture");
+        let be = Backend::cpu();
+        let owned = fx.parts(&be).expect("parts");
+        let DraftHead::Full { output_head } = &owned.head else {
+            panic!("the fixture lends the full head");
+        };
+        // The host's own copies (what a target holds).
+        let host_embedding = be.download(&owned.embedding).expect("embedding");
+        let host_head = be.download(output_head).expect("head");
+        let parts = DraftTargetParts {
+            vocab_rows: owned.vocab_rows,
+            public_vocab: owned.public_vocab,
+            embedding: Borrowed::host(&host_embedding).into(),
+            head: DraftHead::Full {
+                output_head: Borrowed::host(&host_head).into(),
+            },
+        };
+        let reqs: Vec<Request> = demo_prompts(4, 3)
+            .into_iter()
+            .map(|p| Request::greedy(p, 24))
+            .collect();
+        let expected = plain_outputs(&fx, &reqs);
+        let opts = options(backend, 7, 4, 256);
+        let mut engine = Engine::with_draft(
+            fx.target().expect("target"),
+            fx.draft(&be).expect("draft"),
+            parts,
+            &opts,
+        )
+        .expect("engine");
+        assert_eq!(
+            engine.memory_plan().bytes("draft target parts"),
+            0,
+            "{backend:?}: borrowed parts are not planned: {}",
+            engine.memory_plan()
+        );
+        let lent = engine.proposer().target_parts();
+        assert!(lent.embedding.is_borrowed());
+        assert_eq!(lent.embedding.address(), host_embedding.as_ptr() as u64);
+        let DraftHead::Full { output_head } = &lent.head else {
+            panic!("full head");
+        };
+        assert_eq!(output_head.address(), host_head.as_ptr() as u64);
+        let ids: Vec<_> = reqs
+            .iter()
+            .map(|r| engine.submit(r.clone()).expect("submit"))
+            .collect();
+        let got = run_checked(&mut engine, 0);
+        for (i, id) in ids.iter().enumerate() {
+            assert_eq!(
+                got.outputs.get(id).cloned().unwrap_or_default(),
+                expected[i],
+                "{backend:?} request {i}"
+            );
+        }
+        assert!(
+            got.steps
+                .iter()
+                .flat_map(|s| &s.rows)
+                .any(|r| r.accepted > 0),
+            "{backend:?}: the trained draft, reading borrowed parts, gets proposals accepted"
+        );
+        // The owned-parts engine's plan counts the parts (the check above can fail).
+        let owned_engine = Engine::with_draft(
+            fx.target().expect("target"),
+            fx.draft(&be).expect("draft"),
+            owned,
+            &opts,
+        )
+        .expect("engine");
+        assert_eq!(
+            owned_engine.memory_plan().bytes("draft target parts"),
+            2 * (host_embedding.len() + host_head.len()) as u64
+        );
+        drop(engine);
+        // The views never wrote the host's memory.
+        assert_eq!(
+            host_embedding,
+            be.download(&owned_engine.proposer().target_parts().embedding)
+                .expect("e")
+        );
+    }
+}
