@@ -98,3 +98,48 @@ fn target_parts_are_borrowed_not_copied() {
         );
     }
 }
+
+/// After the first round (warm-up; it also admits every request: a prefill allocates its
+/// prompt's features, an admission is not a round), a round makes no buffer allocation on
+/// the backend: not for materialize, pending verify features, verification or a batch
+/// shorter than B (requests finish at different times, so later rounds run with fewer live
+/// rows).
+#[test]
+fn round_allocates_nothing_after_warmup() {
+    for backend in [DraftBackend::DFlash, DraftBackend::DFlash2] {
+        let fx = Fixture::write(backend).expect("fixture");
+        let be = Backend::cpu();
+        let reqs: Vec<Request> = demo_prompts(4, 5)
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| Request::greedy(p, 8 + 14 * i))
+            .collect();
+        let mut engine = Engine::with_draft(
+            fx.target().expect("target"),
+            fx.draft(&be).expect("draft"),
+            fx.parts(&be).expect("parts"),
+            &options(backend, 7, 4, 256),
+        )
+        .expect("engine");
+        for r in &reqs {
+            engine.submit(r.clone()).expect("submit");
+        }
+        let mut sink = |_: &dflash_engine::Event| {};
+        engine.step(&mut sink).expect("warm-up round");
+        let warm = be.allocations();
+        let mut widths = std::collections::BTreeSet::new();
+        while let Some(step) = engine.step(&mut sink).expect("round") {
+            widths.insert(step.rows.len());
+            assert_eq!(
+                be.allocations(),
+                warm,
+                "{backend:?}: a round of {} rows allocated",
+                step.rows.len()
+            );
+        }
+        assert!(
+            widths.len() >= 3,
+            "{backend:?}: rounds ran with several live-row counts: {widths:?}"
+        );
+    }
+}

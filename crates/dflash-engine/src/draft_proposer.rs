@@ -166,7 +166,7 @@ impl<'a> DraftProposer<'a> {
         );
         let cg = model.context_geometry()?;
         let fw = cg.feature_width() as u64;
-        let (b, w) = (startup.concurrency as u64, startup.block_width as u64);
+        let w = startup.block_width as u64;
         let mut plan = MemoryPlan::default();
         plan.push("draft weights", weight_bytes(model));
         plan.push("draft target parts", parts.owned_bytes());
@@ -176,7 +176,10 @@ impl<'a> DraftProposer<'a> {
             workspace_bytes(model, &startup, &capacity, shape.rows),
         );
         plan.push("verify feature staging", w * fw * 2);
-        plan.push("pending verify features", b * w * fw * 2);
+        plan.push(
+            "pending verify features and materialize scratch",
+            ContextStore::round_staging_bytes(&cg, &capacity, w as usize),
+        );
         plan.push(
             "admission prompt features",
             options.max_context as u64 * fw * 2,
@@ -194,7 +197,12 @@ impl<'a> DraftProposer<'a> {
     ) -> Result<Self> {
         let (startup, capacity, plan) = Self::plan(&model, &parts, options)?;
         let be = model.backend().clone();
-        let store = ContextStore::new(be.clone(), model.context_geometry()?, capacity)?;
+        let store = ContextStore::with_round_staging(
+            be.clone(),
+            model.context_geometry()?,
+            capacity,
+            startup.block_width as usize,
+        )?;
         let spec = WorkspaceSpec::from_startup(&startup, parts.vocab_rows);
         let ws = Workspace::new(&model, &store, &spec)?;
         let fw = store.geometry().feature_width();

@@ -106,11 +106,11 @@ impl<'a, T: Element> Borrowed<'a, T> {
     ///   it outlives every op queued on the stream that reads it (drop the view only after
     ///   those have run, e.g. after a synchronize or an event the host waits for).
     pub unsafe fn from_raw(be: &Backend, addr: u64, len: usize) -> Result<Self> {
-        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
-            OpsError::Borrow {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| OpsError::Borrow {
                 problem: format!("{len} x {} overflows the address space", T::DTYPE),
-            }
-        })?;
+            })?;
         match be {
             Backend::Cpu => {
                 let align = std::mem::align_of::<T>() as u64;
@@ -631,7 +631,11 @@ mod tests {
         assert!(be.fill(&mut inner, bf16::ZERO).is_err());
         drop(inner);
         drop(view);
-        assert_eq!(lent[0], bf16::from_f32(-3.5), "the lender's memory is untouched");
+        assert_eq!(
+            lent[0],
+            bf16::from_f32(-3.5),
+            "the lender's memory is untouched"
+        );
     }
 
     #[test]
@@ -667,7 +671,11 @@ mod tests {
         let lent = [0.5f32; 3];
         let _v = Borrowed::host(&lent);
         let _d = be.download(&a).expect("download");
-        assert_eq!(be.allocations(), before + 3, "views and reads allocate no buffer");
+        assert_eq!(
+            be.allocations(),
+            before + 3,
+            "views and reads allocate no buffer"
+        );
         let other = std::thread::spawn(|| Backend::cpu().allocations())
             .join()
             .expect("thread");

@@ -133,7 +133,8 @@ impl Drop for Staging {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Copies staged from pinned memory must finish before that memory is freed.
+        // Copies staged from pinned memory must finish before that memory is freed (on a
+        // host's stream this waits for the host's work queued there too).
         let _ = self.stream.synchronize();
     }
 }
@@ -533,19 +534,24 @@ impl CudaBackend {
     /// directly and waited for. Growing replaces the block (after a synchronize); a smaller
     /// request keeps the current one.
     pub fn reserve_staging(&self, bytes: usize) -> Result<()> {
-        let mut st = self.lock_staging()?;
-        if bytes <= st.capacity {
+        if bytes <= self.lock_staging()?.capacity {
             return Ok(());
         }
+        // Every copy from the current block completes first (this also resets `used`); the
+        // staging lock is not held across it (`synchronize` takes it).
         self.synchronize()?;
-        st.used = 0;
         self.inner
             .ctx
             .bind_to_thread()
             .map_err(cuda_err("binding the context for pinned staging"))?;
+        let mut st = self.lock_staging()?;
+        if bytes <= st.capacity {
+            return Ok(());
+        }
         // SAFETY: a fresh pinned block of `bytes` bytes; only ever written as bytes.
-        let p = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }
-            .map_err(cuda_err(format!("allocating {bytes} bytes of pinned staging")))?;
+        let p = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }.map_err(cuda_err(
+            format!("allocating {bytes} bytes of pinned staging"),
+        ))?;
         let Some(p) = std::ptr::NonNull::new(p.cast::<u8>()) else {
             return Err(OpsError::Cuda {
                 context: "allocating pinned staging".into(),
@@ -553,11 +559,14 @@ impl CudaBackend {
             });
         };
         if let Some(old) = st.ptr.replace(p) {
-            // SAFETY: the stream was synchronized above, so no copy reads the old block.
+            // SAFETY: the stream was synchronized above and the lock has been held since the
+            // block was last read by nothing queued after (writes take the lock), so no
+            // copy reads the old block.
             unsafe { cudarc::driver::result::free_host(old.as_ptr().cast()) }
                 .map_err(cuda_err("freeing the previous pinned staging"))?;
         }
         st.capacity = bytes;
+        st.used = 0;
         Ok(())
     }
 
@@ -923,6 +932,9 @@ impl CudaBackend {
     /// Wait for the stream (counted in [`Self::synchronizations`]); every staged write
     /// has then completed, so the staging block is free again.
     pub fn synchronize(&self) -> Result<()> {
+        // Held across the wait, so that no write stages a copy between the wait and the
+        // reset (it would be in flight while its bytes count as free).
+        let staging = self.inner.staging.lock();
         self.inner
             .stream
             .synchronize()
@@ -931,7 +943,7 @@ impl CudaBackend {
             .counters
             .synchronizations
             .fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut st) = self.inner.staging.lock() {
+        if let Ok(mut st) = staging {
             st.used = 0;
         }
         Ok(())
@@ -943,7 +955,10 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<T>(len.max(1))
             .map_err(cuda_err(format!("allocating {len} x {}", T::DTYPE)))?;
-        self.inner.counters.allocations.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .counters
+            .allocations
+            .fetch_add(1, Ordering::Relaxed);
         Ok(Buffer {
             storage: Storage::Device(d, len),
         })
@@ -997,45 +1012,47 @@ impl CudaBackend {
             .ctx
             .bind_to_thread()
             .map_err(cuda_err("binding the context for a write"))?;
-        let mut st = self.lock_staging()?;
-        if st.ptr.is_none() {
-            drop(st);
-            self.reserve_staging(DEFAULT_STAGING_BYTES)?;
-            st = self.lock_staging()?;
-        }
-        let at = st.used.next_multiple_of(16);
-        if at + bytes.len() > st.capacity {
-            if bytes.len() > st.capacity {
+        // Bounded retries: another thread may fill the block between our synchronize and
+        // the next lock; after that, copy directly.
+        for _ in 0..4 {
+            let mut st = self.lock_staging()?;
+            let Some(base) = st.ptr else {
                 drop(st);
-                return self.write_direct(dst, bytes);
+                self.reserve_staging(DEFAULT_STAGING_BYTES)?;
+                continue;
+            };
+            if bytes.len() > st.capacity {
+                break;
             }
-            drop(st);
-            self.synchronize()?;
-            st = self.lock_staging()?;
+            let at = st.used.next_multiple_of(16);
+            if at + bytes.len() > st.capacity {
+                drop(st);
+                self.synchronize()?;
+                continue;
+            }
+            // SAFETY: `at + len <= capacity` (checked under the lock we hold), so the range
+            // lies in the pinned block, and no queued copy reads it (`used` covers every
+            // byte a copy queued since the last synchronize reads).
+            let staged = unsafe {
+                let p = base.as_ptr().add(at);
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len());
+                std::slice::from_raw_parts(p.cast_const(), bytes.len())
+            };
+            // SAFETY: `dst` is `data.len()` elements of a live device buffer of this
+            // context; `staged` is pinned and stays untouched until a synchronize completes
+            // the copy.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    dst,
+                    staged,
+                    self.inner.stream.cu_stream(),
+                )
+            }
+            .map_err(cuda_err("copying host to device (staged)"))?;
+            st.used = at + bytes.len();
+            return Ok(());
         }
-        let at = st.used.next_multiple_of(16);
-        let Some(base) = st.ptr else {
-            return Err(OpsError::Cuda {
-                context: "staging a write".into(),
-                message: "no pinned staging block".into(),
-            });
-        };
-        // SAFETY: `at + len <= capacity` (checked above, after a synchronize if needed), so
-        // the range lies in the pinned block, and no queued copy reads it (`used` covers
-        // every byte a copy since the last synchronize reads).
-        let staged = unsafe {
-            let p = base.as_ptr().add(at);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len());
-            std::slice::from_raw_parts(p.cast_const(), bytes.len())
-        };
-        // SAFETY: `dst` is `data.len()` elements of a live device buffer of this context;
-        // `staged` is pinned and stays untouched until a synchronize completes the copy.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst, staged, self.inner.stream.cu_stream())
-        }
-        .map_err(cuda_err("copying host to device (staged)"))?;
-        st.used = at + bytes.len();
-        Ok(())
+        self.write_direct(dst, bytes)
     }
 
     /// A host-to-device copy from pageable memory, waited for (the host slice may be freed
