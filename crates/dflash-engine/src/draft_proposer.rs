@@ -112,6 +112,7 @@ impl<'a> DraftProposer<'a> {
     ) -> Result<(Startup, Capacity, MemoryPlan)> {
         let g = model.geometry();
         let startup = options.startup.validate(g)?;
+        crate::engine::check_no_tree(&options.startup)?;
         if options.max_context == 0 || options.max_context > i32::MAX as usize / 2 {
             return Err(invalid(
                 "max_context",
