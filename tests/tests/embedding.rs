@@ -143,3 +143,34 @@ fn round_allocates_nothing_after_warmup() {
         );
     }
 }
+
+/// The README's embedding block is the marked part of `tests/examples/embedding.rs`, which
+/// `cargo test --workspace` builds: the example in the README compiles and runs.
+#[test]
+fn readme_embedding_example_is_the_built_example() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).expect("README");
+    let example =
+        std::fs::read_to_string(format!("{root}/tests/examples/embedding.rs")).expect("example");
+    let section = readme
+        .split("## Embedding\n")
+        .nth(1)
+        .expect("README has an Embedding section");
+    let block = section
+        .split("```rust\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("the section has a rust block");
+    let marked = example
+        .split("    // README begin\n")
+        .nth(1)
+        .and_then(|m| m.split("    // README end\n").next())
+        .expect("the example marks its README part");
+    let dedented: String = marked
+        .lines()
+        .map(|l| l.strip_prefix("    ").unwrap_or(l))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_eq!(block, dedented, "README block and example differ");
+    assert!(block.contains("Borrowed::host(&embedding)"));
+}
