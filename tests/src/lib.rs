@@ -42,7 +42,7 @@ pub fn draft_engine(
     k: u32,
     b: u32,
     max_context: usize,
-) -> Result<Engine<ReferenceTarget, DraftProposer>, dflash_cli::HarnessError> {
+) -> Result<Engine<ReferenceTarget, DraftProposer<'static>>, dflash_cli::HarnessError> {
     let be = Backend::cpu();
     let model: DraftModel = fx.draft(&be)?;
     let parts = fx.parts(&be)?;
@@ -277,7 +277,7 @@ pub fn misreporting_draft_engine(
     k: u32,
     b: u32,
     max_context: usize,
-) -> Result<Engine<ReferenceTarget, MisreportQ<DraftProposer>>, dflash_cli::HarnessError> {
+) -> Result<Engine<ReferenceTarget, MisreportQ<DraftProposer<'static>>>, dflash_cli::HarnessError> {
     let be = Backend::cpu();
     let proposer = DraftProposer::new(
         fx.draft(&be)?,

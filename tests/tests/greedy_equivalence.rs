@@ -149,8 +149,9 @@ fn indexed_head(backend: DraftBackend) {
     let (rows, ids) = dflash_draft::synthetic::shortlist(&head, g.hidden, g.public_vocab, 128, 17);
     let parts = dflash_engine::DraftTargetParts {
         head: DraftHead::Indexed {
-            rows: be.upload(&rows).expect("rows"),
-            token_ids: be.upload(&ids).expect("ids"),
+            // Lent, not copied: the engine reads this function's vectors.
+            rows: dflash_ops::Borrowed::host(&rows).into(),
+            token_ids: dflash_ops::Borrowed::host(&ids).into(),
         },
         ..full
     };

@@ -25,7 +25,7 @@ const K: u32 = 3;
 const B: u32 = 4;
 const MAX_CONTEXT: usize = 64;
 
-type Eng = Engine<ReferenceTarget, DraftProposer>;
+type Eng = Engine<ReferenceTarget, DraftProposer<'static>>;
 
 /// Independent replays, each computed once: plain greedy decoding on a separate target, or
 /// the request decoded alone (B = 1) by a separate engine.

@@ -14,7 +14,7 @@ use dflash_testkit::ReferenceTarget;
 fn try_engine(
     fx: &Fixture,
     opts: &EngineOptions,
-) -> Result<Engine<ReferenceTarget, DraftProposer>, EngineError> {
+) -> Result<Engine<ReferenceTarget, DraftProposer<'static>>, EngineError> {
     let be = Backend::cpu();
     Engine::with_draft(
         fx.target().expect("target"),
@@ -337,4 +337,48 @@ fn events_stream_every_token_in_position_order() {
         assert!(ended, "{id} finished");
         assert_eq!(e.finished(*id).expect("finished").output, out);
     }
+}
+
+/// Tree verification is not implemented yet: asking for it at startup is a typed refusal
+/// naming the option (for the draft engine and for an engine over any proposer), never a
+/// chain run in its place.
+#[test]
+fn tree_nodes_startup_is_refused_until_tree_verification_exists() {
+    let fx = Fixture::write(DraftBackend::DFlash2).expect("fixture");
+    let mut opts = options(DraftBackend::DFlash2, 7, 2, 64);
+    opts.startup.tree_nodes = Some(16);
+    let e = try_engine(&fx, &opts).expect_err("tree");
+    assert!(
+        matches!(
+            e,
+            EngineError::Unsupported {
+                option: "startup.tree_nodes",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("tree verification"), "{e}");
+    let shadow = dflash_e2e::ShadowProposer::new(
+        fx.target().expect("target"),
+        dflash_e2e::Strategy::Oracle { rho: 1.0 },
+        7,
+        2,
+        1,
+    )
+    .expect("shadow");
+    let e = Engine::new(fx.target().expect("target"), shadow, Backend::cpu(), &opts)
+        .expect_err("tree, any proposer");
+    assert!(
+        matches!(
+            e,
+            EngineError::Unsupported {
+                option: "startup.tree_nodes",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    opts.startup.tree_nodes = None;
+    try_engine(&fx, &opts).expect("the same options without a tree start");
 }

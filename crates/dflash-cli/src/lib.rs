@@ -403,7 +403,7 @@ impl Fixture {
 
     /// The target parts the draft borrows (the target's embedding and full output head), read
     /// from the target checkpoint and uploaded to `be`.
-    pub fn parts(&self, be: &Backend) -> Result<DraftTargetParts> {
+    pub fn parts(&self, be: &Backend) -> Result<DraftTargetParts<'static>> {
         let g = target_geometry();
         let path = self.target_dir().join("model.safetensors");
         let bytes = std::fs::read(&path).map_err(|source| HarnessError::Io {
@@ -441,9 +441,9 @@ impl Fixture {
         Ok(DraftTargetParts {
             vocab_rows: g.vocab_rows,
             public_vocab: g.public_vocab,
-            embedding: be.upload(&embedding)?,
+            embedding: be.upload(&embedding)?.into(),
             head: DraftHead::Full {
-                output_head: be.upload(&head)?,
+                output_head: be.upload(&head)?.into(),
             },
         })
     }

@@ -296,7 +296,7 @@ the trained draft runs",
     // token for token; sampled runs are timed against it).
     enum Built<T: Target> {
         Oracle(Box<Engine<T, ShadowProposer>>),
-        Draft(Box<Engine<T, dflash_engine::DraftProposer>>),
+        Draft(Box<Engine<T, dflash_engine::DraftProposer<'static>>>),
     }
     let mut engine = match oracle {
         Some((rho, proposer)) => {

@@ -139,7 +139,40 @@ pub struct LiveWindow {
 struct Pending {
     start: usize,
     rows: usize,
-    features: Buffer<bf16>,
+    features: Rows,
+}
+
+/// Where a pending entry's feature rows live.
+#[derive(Debug)]
+enum Rows {
+    /// A buffer of exactly `rows` rows (a prefill chunk, or a push the round staging could
+    /// not take).
+    Owned(Buffer<bf16>),
+    /// Rows `0..rows` of the lane's slab in [`RoundStaging`].
+    Slab,
+}
+
+/// Buffers planned at startup for the context work of a round
+/// ([`ContextStore::with_round_staging`]): a lane's verified rows are pushed into its slab
+/// and materialized through fixed-shape scratch (the projection runs over the whole slab,
+/// the cache writes over the live count), so a round allocates nothing.
+#[derive(Debug)]
+struct RoundStaging {
+    /// Columns a lane's slab holds (at least one round's commit: W).
+    cols: usize,
+    /// Per lane `[cols, n_ids * H]` BF16.
+    slabs: Vec<Buffer<bf16>>,
+    /// Projected vectors `[cols, H]` BF16 (lent to the chunk while it is written).
+    c: Option<Buffer<bf16>>,
+    /// Scratch of the projection and of the K/V materialize (F32; empty on the CPU).
+    fp: Option<Buffer<f32>>,
+    kv: Option<Buffer<f32>>,
+    /// One-element metadata: first position, count, lane.
+    start: Option<Buffer<i32>>,
+    count: Option<Buffer<i32>>,
+    lane: Option<Buffer<i32>>,
+    /// The lane's page-table row `[max_pages]` (full layers only).
+    table: Option<Buffer<i32>>,
 }
 
 #[derive(Debug)]
@@ -177,10 +210,31 @@ struct Segment {
     len: usize,
 }
 
-/// Projected context vectors of one chunk, ready to be written.
+/// The per-call metadata of phase 2 of a materialize: the lane (`[1]`), the lane's
+/// page-table row (full layers) and the K/V scratch.
+struct WriteMeta {
+    lane: Buffer<i32>,
+    table: Option<Buffer<i32>>,
+    kv_scratch: Buffer<f32>,
+}
+
+/// A slab entry without round staging: cannot happen (only a store with round staging makes
+/// them); refused rather than assumed.
+fn unreachable_slab<T>() -> Result<T> {
+    Err(ContextError::Ops(OpsError::Param {
+        op: "materialize",
+        param: "round_cols",
+        expected: "a store with round staging".into(),
+        found: "a slab entry without one".into(),
+    }))
+}
+
+/// Projected context vectors of one chunk, ready to be written: `n` live columns of the
+/// `cols` columns of `c`.
 struct Chunk {
     start: usize,
     n: usize,
+    cols: usize,
     c: Buffer<bf16>,
     start_buf: Buffer<i32>,
     count_buf: Buffer<i32>,
@@ -208,6 +262,7 @@ pub struct ContextStore {
     free_pages: Vec<i32>,
     lanes: Vec<Option<Request>>,
     next_generation: u64,
+    round: Option<RoundStaging>,
 }
 
 fn wrong_backend(
@@ -275,7 +330,97 @@ impl ContextStore {
             host_table,
             free_pages,
             next_generation: 1,
+            round: None,
         })
+    }
+
+    /// [`ContextStore::new`] plus the round staging: buffers for pushing up to `round_cols`
+    /// verified rows per lane and materializing them with no allocation (a round's push and
+    /// materialize then allocate nothing; longer queues, such as a prefill, still allocate
+    /// their projections). `round_cols` is at least one round's commit (W = K + 1) and at
+    /// most [`Capacity::chunk_cols`]. Bytes: [`ContextStore::round_staging_bytes`].
+    pub fn with_round_staging(
+        be: Backend,
+        geometry: ContextGeometry,
+        capacity: Capacity,
+        round_cols: usize,
+    ) -> Result<Self> {
+        if round_cols == 0 || round_cols > capacity.chunk_cols {
+            return Err(ContextError::InvalidGeometry {
+                field: "round_cols",
+                expected: format!("1..=capacity.chunk_cols ({})", capacity.chunk_cols),
+                found: round_cols.to_string(),
+            });
+        }
+        let mut store = Self::new(be, geometry, capacity)?;
+        let g = &store.geometry;
+        let be = &store.be;
+        let (fw, hidden) = (g.feature_width(), g.hidden);
+        let (fp_len, kv_len) = Self::round_scratch_lens(g, round_cols)?;
+        let table = if g.has_full_layers() {
+            Some(be.zeros(store.capacity.max_pages_per_lane)?)
+        } else {
+            None
+        };
+        store.round = Some(RoundStaging {
+            cols: round_cols,
+            slabs: (0..store.capacity.lanes)
+                .map(|_| be.zeros(round_cols * fw))
+                .collect::<std::result::Result<_, _>>()?,
+            c: Some(be.zeros(round_cols * hidden)?),
+            fp: Some(be.zeros(fp_len)?),
+            kv: Some(be.zeros(kv_len)?),
+            start: Some(be.zeros(1)?),
+            count: Some(be.zeros(1)?),
+            lane: Some(be.zeros(1)?),
+            table,
+        });
+        Ok(store)
+    }
+
+    /// F32 scratch lengths of a round's projection and K/V materialize (0 on neither: the
+    /// CPU paths accept any length, the plan counts the CUDA ones).
+    fn round_scratch_lens(g: &ContextGeometry, cols: usize) -> Result<(usize, usize)> {
+        let fp = feature_projection::scratch_len(&FeatureProjectionParams {
+            tokens: cols,
+            n_ids: g.n_ids,
+            hidden: g.hidden,
+            eps: g.eps,
+        })?;
+        let kv = context_kv_materialize::scratch_len(&MaterializeParams {
+            rows: 1,
+            cols,
+            hidden: g.hidden,
+            kv_heads: g.kv_heads,
+            head_dim: g.head_dim,
+            eps: g.eps,
+            theta: g.theta,
+            layout: CacheLayout::Ring {
+                lanes: 1,
+                capacity: 1,
+            },
+        })?;
+        Ok((fp, kv))
+    }
+
+    /// Device bytes [`ContextStore::with_round_staging`] adds for `round_cols` columns.
+    pub fn round_staging_bytes(
+        geometry: &ContextGeometry,
+        capacity: &Capacity,
+        round_cols: usize,
+    ) -> u64 {
+        let (fw, h) = (geometry.feature_width() as u64, geometry.hidden as u64);
+        let cols = round_cols as u64;
+        let (fp, kv) = Self::round_scratch_lens(geometry, round_cols).unwrap_or((0, 0));
+        let table = if geometry.has_full_layers() {
+            capacity.max_pages_per_lane as u64
+        } else {
+            0
+        };
+        2 * capacity.lanes as u64 * cols * fw
+            + 2 * cols * h
+            + 4 * (fp + kv) as u64
+            + 4 * (3 + table)
     }
 
     /// The backend the pools live on.
@@ -553,9 +698,17 @@ impl ContextStore {
             return Ok(());
         }
         let len = n * self.geometry.feature_width();
+        let empty_queue = self.lookup(h)?.pending.is_empty();
+        if let Some(rs) = &mut self.round
+            && empty_queue
+            && n <= rs.cols
+        {
+            self.be.copy(features, 0, &mut rs.slabs[h.lane], 0, len)?;
+            return self.enqueue(h, start_pos, n, Rows::Slab);
+        }
         let mut copy = self.be.zeros(len)?;
         self.be.copy(features, 0, &mut copy, 0, len)?;
-        self.enqueue(h, start_pos, n, copy)
+        self.enqueue(h, start_pos, n, Rows::Owned(copy))
     }
 
     /// Queue every row of `features` (`[n, n_ids * H]` BF16, positions
@@ -573,7 +726,7 @@ impl ContextStore {
         if n == 0 {
             return Ok(());
         }
-        self.enqueue(h, start_pos, n, features)
+        self.enqueue(h, start_pos, n, Rows::Owned(features))
     }
 
     fn enqueue(
@@ -581,7 +734,7 @@ impl ContextStore {
         h: ContextHandle,
         start: usize,
         rows: usize,
-        features: Buffer<bf16>,
+        features: Rows,
     ) -> Result<()> {
         let r = self.lookup_mut(h)?;
         r.pending.push_back(Pending {
@@ -695,6 +848,15 @@ impl ContextStore {
                 at += n;
             }
         }
+        // A round's queue: one slab entry, projected whole through the round staging.
+        if let [(0, 0, n)] = plan[..]
+            && matches!(r.pending[0].features, Rows::Slab)
+            && n == r.pending[0].rows
+        {
+            let start = r.pending[0].start;
+            let res = self.materialize_slab(h, w, start, n, target);
+            return self.finish_materialize(h, target, res);
+        }
         let widest = plan.iter().map(|c| c.2).max().unwrap_or(0);
         let mut fp_scratch = self.f32_scratch(widest * hidden)?;
         let mut chunks = Vec::with_capacity(plan.len());
@@ -707,10 +869,17 @@ impl ContextStore {
                 eps: g.eps,
             };
             let mut c = self.be.zeros(n * hidden)?;
-            if offset == 0 && n == entry.rows {
+            let source = match &entry.features {
+                Rows::Owned(b) => b,
+                Rows::Slab => match &self.round {
+                    Some(rs) => &rs.slabs[h.lane],
+                    None => unreachable_slab()?,
+                },
+            };
+            if offset == 0 && n == entry.rows && matches!(entry.features, Rows::Owned(_)) {
                 feature_projection::run_with_scratch(
                     &self.be,
-                    &entry.features,
+                    source,
                     w.fc,
                     w.hidden_norm,
                     &mut c,
@@ -719,8 +888,7 @@ impl ContextStore {
                 )?;
             } else {
                 let mut s = self.be.zeros(n * fw)?;
-                self.be
-                    .copy(&entry.features, offset * fw, &mut s, 0, n * fw)?;
+                self.be.copy(source, offset * fw, &mut s, 0, n * fw)?;
                 feature_projection::run_with_scratch(
                     &self.be,
                     &s,
@@ -735,26 +903,39 @@ impl ContextStore {
             chunks.push(Chunk {
                 start,
                 n,
+                cols: n,
                 c,
                 start_buf: self.be.upload(&[to_i32(start)])?,
                 count_buf: self.be.upload(&[to_i32(n)])?,
             });
         }
-        let lane_buf = self.be.upload(&[to_i32(h.lane)])?;
-        let table_row = match self.page_table {
-            Some(_) => {
-                let wdt = self.capacity.max_pages_per_lane;
-                Some(
-                    self.be
-                        .upload(&self.host_table[h.lane * wdt..(h.lane + 1) * wdt])?,
-                )
-            }
-            None => None,
+        let mut meta = WriteMeta {
+            lane: self.be.upload(&[to_i32(h.lane)])?,
+            table: match self.page_table {
+                Some(_) => {
+                    let wdt = self.capacity.max_pages_per_lane;
+                    Some(
+                        self.be
+                            .upload(&self.host_table[h.lane * wdt..(h.lane + 1) * wdt])?,
+                    )
+                }
+                None => None,
+            },
+            kv_scratch: self.f32_scratch(context_kv_materialize::scratch_len(
+                &self.chunk_params(widest),
+            )?)?,
         };
-        let params = MaterializeParams {
+        let res = self.write_chunks(&chunks, &mut meta, w, target);
+        self.finish_materialize(h, target, res)
+    }
+
+    /// The K/V materialize parameters of a chunk of `cols` columns (layout set per layer).
+    fn chunk_params(&self, cols: usize) -> MaterializeParams {
+        let g = &self.geometry;
+        MaterializeParams {
             rows: 1,
-            cols: widest,
-            hidden,
+            cols,
+            hidden: g.hidden,
             kv_heads: g.kv_heads,
             head_dim: g.head_dim,
             eps: g.eps,
@@ -763,10 +944,118 @@ impl ContextStore {
                 lanes: 1,
                 capacity: 1,
             },
-        };
-        let mut kv_scratch = self.f32_scratch(context_kv_materialize::scratch_len(&params)?)?;
+        }
+    }
 
-        // Phase 2: write the caches, chunk by chunk in position order, layer by layer.
+    /// Materialize a queue of one slab entry (`n` rows at `start`) through the round staging:
+    /// the projection runs over the whole slab (its shape fixed at startup; rows past `n`
+    /// are projected and never written), the cache writes over `n` columns. Allocates
+    /// nothing; the staging's buffers are back in place on every return. `(wrote, result)`.
+    fn materialize_slab(
+        &mut self,
+        h: ContextHandle,
+        w: &MaterializeWeights<'_>,
+        start: usize,
+        n: usize,
+        target: usize,
+    ) -> (bool, Result<()>) {
+        let g = &self.geometry;
+        let Some(rs) = self.round.as_mut() else {
+            return (false, unreachable_slab());
+        };
+        let cols = rs.cols;
+        let taken = (
+            rs.c.take(),
+            rs.fp.take(),
+            rs.kv.take(),
+            rs.start.take(),
+            rs.count.take(),
+            rs.lane.take(),
+        );
+        let (Some(mut c), Some(mut fp), Some(kv), Some(start_buf), Some(count_buf), Some(lane)) =
+            taken
+        else {
+            return (false, unreachable_slab());
+        };
+        let params = FeatureProjectionParams {
+            tokens: cols,
+            n_ids: g.n_ids,
+            hidden: g.hidden,
+            eps: g.eps,
+        };
+        let mut table = rs.table.take();
+        let mut chunks = Vec::new();
+        let mut meta = WriteMeta {
+            lane,
+            table: None,
+            kv_scratch: kv,
+        };
+        let mut staged = || -> Result<()> {
+            let Some(rs) = self.round.as_ref() else {
+                return unreachable_slab();
+            };
+            feature_projection::run_with_scratch(
+                &self.be,
+                &rs.slabs[h.lane],
+                w.fc,
+                w.hidden_norm,
+                &mut c,
+                &mut fp,
+                &params,
+            )?;
+            Ok(())
+        };
+        let mut res = staged();
+        let mut start_buf = start_buf;
+        let mut count_buf = count_buf;
+        if res.is_ok() {
+            res = (|| -> Result<()> {
+                self.be.write(&mut start_buf, 0, &[to_i32(start)])?;
+                self.be.write(&mut count_buf, 0, &[to_i32(n)])?;
+                self.be.write(&mut meta.lane, 0, &[to_i32(h.lane)])?;
+                if let Some(t) = &mut table {
+                    let wdt = self.capacity.max_pages_per_lane;
+                    self.be
+                        .write(t, 0, &self.host_table[h.lane * wdt..(h.lane + 1) * wdt])?;
+                }
+                Ok(())
+            })();
+        }
+        meta.table = table;
+        chunks.push(Chunk {
+            start,
+            n,
+            cols,
+            c,
+            start_buf,
+            count_buf,
+        });
+        let out = match res {
+            Ok(()) => self.write_chunks(&chunks, &mut meta, w, target),
+            Err(e) => (false, Err(e)),
+        };
+        // Everything goes back to the staging.
+        if let (Some(rs), Some(chunk)) = (self.round.as_mut(), chunks.pop()) {
+            rs.c = Some(chunk.c);
+            rs.start = Some(chunk.start_buf);
+            rs.count = Some(chunk.count_buf);
+            rs.fp = Some(fp);
+            rs.kv = Some(meta.kv_scratch);
+            rs.lane = Some(meta.lane);
+            rs.table = meta.table;
+        }
+        out
+    }
+
+    /// Phase 2 of a materialize: write the caches, chunk by chunk in position order, layer
+    /// by layer. `(wrote anything, result)`.
+    fn write_chunks(
+        &mut self,
+        chunks: &[Chunk],
+        meta: &mut WriteMeta,
+        w: &MaterializeWeights<'_>,
+        target: usize,
+    ) -> (bool, Result<()>) {
         let lanes = self.capacity.lanes;
         let (pages, page_size, max_pages) = (
             self.capacity.pages,
@@ -774,8 +1063,8 @@ impl ContextStore {
             self.capacity.max_pages_per_lane,
         );
         let mut wrote = false;
-        let mut outcome = Ok(());
-        'write: for chunk in &chunks {
+        for chunk in chunks {
+            let params = self.chunk_params(chunk.cols);
             for (l, pool) in self.pools.iter_mut().enumerate() {
                 let (layout, slots, k, v) = match pool {
                     Pool::Ring { window, k, v } => {
@@ -789,12 +1078,12 @@ impl ContextStore {
                                 lanes,
                                 capacity: *window,
                             },
-                            &lane_buf,
+                            &meta.lane,
                             k,
                             v,
                         )
                     }
-                    Pool::Paged { k, v } => match &table_row {
+                    Pool::Paged { k, v } => match &meta.table {
                         Some(t) => (
                             CacheLayout::Paged {
                                 pages,
@@ -808,11 +1097,7 @@ impl ContextStore {
                         None => continue,
                     },
                 };
-                let p = MaterializeParams {
-                    cols: chunk.n,
-                    layout,
-                    ..params
-                };
+                let p = MaterializeParams { layout, ..params };
                 let lw = &w.layers[l];
                 let res = context_kv_materialize::run_with_scratch(
                     &self.be,
@@ -825,16 +1110,26 @@ impl ContextStore {
                     slots,
                     k,
                     v,
-                    &mut kv_scratch,
+                    &mut meta.kv_scratch,
                     &p,
                 );
                 if let Err(e) = res {
-                    outcome = Err(ContextError::Ops(e));
-                    break 'write;
+                    return (wrote, Err(ContextError::Ops(e)));
                 }
                 wrote = true;
             }
         }
+        (wrote, Ok(()))
+    }
+
+    /// Advance the request to `target` on success; on a failure after a cache write, poison
+    /// it.
+    fn finish_materialize(
+        &mut self,
+        h: ContextHandle,
+        target: usize,
+        (wrote, outcome): (bool, Result<()>),
+    ) -> Result<()> {
         let r = self.lookup_mut(h)?;
         match outcome {
             Ok(()) => {

@@ -10,7 +10,7 @@ use dflash_context::{Capacity, ContextHandle, ContextImage, ContextStore, HostCo
 use dflash_draft::{
     DraftModel, HeadParts, RowRequest, TOP_K, TargetParts, Workspace, WorkspaceSpec,
 };
-use dflash_ops::{Backend, Buffer, bf16, sliding_window_attention, softmax_attention};
+use dflash_ops::{Backend, Buffer, Held, bf16, sliding_window_attention, softmax_attention};
 use dflash_verify::{ProposalKind, RetainedQ};
 
 use crate::error::{EngineError, Result};
@@ -18,38 +18,42 @@ use crate::options::{EngineOptions, MemoryPlan};
 use crate::proposer::{Coverage, Proposal, ProposeRow, Proposer};
 use crate::target::TargetInfo;
 
-/// The proposal head the draft borrows from the target (owned buffers on the draft backend).
+/// The proposal head the draft reads from the target: the host's own memory
+/// ([`Held::Borrowed`], no copy) or buffers uploaded for the draft ([`Held::Owned`]), on the
+/// draft's backend.
 #[derive(Debug)]
-pub enum DraftHead {
+pub enum DraftHead<'a> {
     /// The target's full output head `[vocab_rows, H]` BF16.
     Full {
         /// `lm_head.weight`.
-        output_head: Buffer<bf16>,
+        output_head: Held<'a, bf16>,
     },
     /// A shortlist `[rows, H]` BF16 gathered from the output head, with its row -> global id
     /// map `[rows]` I32 (unique public ids).
     Indexed {
         /// The shortlist rows.
-        rows: Buffer<bf16>,
+        rows: Held<'a, bf16>,
         /// Row -> global token id.
-        token_ids: Buffer<i32>,
+        token_ids: Held<'a, i32>,
     },
 }
 
-/// The target parts the draft uses, owned by the engine on the draft's backend.
+/// The target parts the draft uses, on the draft's backend: borrowed from the host engine
+/// (`Held::Borrowed` views of the target's own embedding and head: nothing is copied and
+/// the memory plan counts none of it) or owned.
 #[derive(Debug)]
-pub struct DraftTargetParts {
+pub struct DraftTargetParts<'a> {
     /// Embedding rows (the target's padded vocabulary).
     pub vocab_rows: usize,
     /// Public vocabulary size.
     pub public_vocab: usize,
     /// The target's token embedding `[vocab_rows, H]` BF16.
-    pub embedding: Buffer<bf16>,
+    pub embedding: Held<'a, bf16>,
     /// The proposal head.
-    pub head: DraftHead,
+    pub head: DraftHead<'a>,
 }
 
-impl DraftTargetParts {
+impl DraftTargetParts<'_> {
     /// The borrowed view the draft forward takes.
     pub fn view(&self) -> TargetParts<'_> {
         TargetParts {
@@ -63,22 +67,21 @@ impl DraftTargetParts {
         }
     }
 
-    fn bytes(&self) -> u64 {
+    /// Bytes the parts allocated on the draft's backend (borrowed parts: none).
+    pub fn owned_bytes(&self) -> u64 {
         let head = match &self.head {
-            DraftHead::Full { output_head } => 2 * output_head.len() as u64,
-            DraftHead::Indexed { rows, token_ids } => {
-                2 * rows.len() as u64 + 4 * token_ids.len() as u64
-            }
+            DraftHead::Full { output_head } => output_head.owned_bytes(),
+            DraftHead::Indexed { rows, token_ids } => rows.owned_bytes() + token_ids.owned_bytes(),
         };
-        2 * self.embedding.len() as u64 + head
+        self.embedding.owned_bytes() + head
     }
 }
 
 /// The draft model, its context storage and round workspace as a [`Proposer`].
 #[derive(Debug)]
-pub struct DraftProposer {
+pub struct DraftProposer<'a> {
     model: DraftModel,
-    parts: DraftTargetParts,
+    parts: DraftTargetParts<'a>,
     startup: Startup,
     store: ContextStore,
     ws: Workspace,
@@ -95,7 +98,7 @@ fn invalid(option: &'static str, expected: impl Into<String>, found: impl ToStri
     }
 }
 
-impl DraftProposer {
+impl<'a> DraftProposer<'a> {
     /// Validate the startup options against the model's checkpoint and the target parts, and
     /// compute every device allocation the proposer makes (no allocation here).
     ///
@@ -104,11 +107,12 @@ impl DraftProposer {
     /// [`EngineError::InvalidOption`] for a zero `max_context` or `page_size`.
     pub fn plan(
         model: &DraftModel,
-        parts: &DraftTargetParts,
+        parts: &DraftTargetParts<'_>,
         options: &EngineOptions,
     ) -> Result<(Startup, Capacity, MemoryPlan)> {
         let g = model.geometry();
         let startup = options.startup.validate(g)?;
+        crate::engine::check_no_tree(&options.startup)?;
         if options.max_context == 0 || options.max_context > i32::MAX as usize / 2 {
             return Err(invalid(
                 "max_context",
@@ -163,17 +167,20 @@ impl DraftProposer {
         );
         let cg = model.context_geometry()?;
         let fw = cg.feature_width() as u64;
-        let (b, w) = (startup.concurrency as u64, startup.block_width as u64);
+        let w = startup.block_width as u64;
         let mut plan = MemoryPlan::default();
         plan.push("draft weights", weight_bytes(model));
-        plan.push("draft target parts", parts.bytes());
+        plan.push("draft target parts", parts.owned_bytes());
         plan.push("context pools", capacity.pool_bytes(&cg).total());
         plan.push(
             "draft workspace",
             workspace_bytes(model, &startup, &capacity, shape.rows),
         );
         plan.push("verify feature staging", w * fw * 2);
-        plan.push("pending verify features", b * w * fw * 2);
+        plan.push(
+            "pending verify features and materialize scratch",
+            ContextStore::round_staging_bytes(&cg, &capacity, w as usize),
+        );
         plan.push(
             "admission prompt features",
             options.max_context as u64 * fw * 2,
@@ -186,12 +193,17 @@ impl DraftProposer {
     /// feature staging, all on the model's backend.
     pub fn new(
         model: DraftModel,
-        parts: DraftTargetParts,
+        parts: DraftTargetParts<'a>,
         options: &EngineOptions,
     ) -> Result<Self> {
         let (startup, capacity, plan) = Self::plan(&model, &parts, options)?;
         let be = model.backend().clone();
-        let store = ContextStore::new(be.clone(), model.context_geometry()?, capacity)?;
+        let store = ContextStore::with_round_staging(
+            be.clone(),
+            model.context_geometry()?,
+            capacity,
+            startup.block_width as usize,
+        )?;
         let spec = WorkspaceSpec::from_startup(&startup, parts.vocab_rows);
         let ws = Workspace::new(&model, &store, &spec)?;
         let fw = store.geometry().feature_width();
@@ -215,6 +227,11 @@ impl DraftProposer {
     /// The context store (read access, for inspection and leak checks).
     pub fn store(&self) -> &ContextStore {
         &self.store
+    }
+
+    /// The target parts the draft reads (borrowed or owned, as they were passed).
+    pub fn target_parts(&self) -> &DraftTargetParts<'a> {
+        &self.parts
     }
 
     /// The draft model.
@@ -345,7 +362,7 @@ fn workspace_bytes(model: &DraftModel, s: &Startup, cap: &Capacity, head_rows: u
     bf * 2 + f32s * 4 + i32s * 4
 }
 
-impl Proposer for DraftProposer {
+impl Proposer for DraftProposer<'_> {
     type Slot = ContextHandle;
     type Image = ContextImage;
     type HostImage = HostContextImage;

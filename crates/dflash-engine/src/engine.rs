@@ -256,6 +256,20 @@ fn engine_plan(info: &TargetInfo, k: usize, b: usize, kind: ProposalKind) -> Mem
     plan
 }
 
+/// Tree verification (`startup.tree_nodes`) is not implemented yet: a round verifies the
+/// chain, so asking for a tree is refused rather than silently run as a chain.
+pub(crate) fn check_no_tree(startup: &dflash_config::StartupOptions) -> Result<()> {
+    match startup.tree_nodes {
+        None => Ok(()),
+        Some(n) => Err(EngineError::Unsupported {
+            option: "startup.tree_nodes",
+            found: n.to_string(),
+            reason: "tree verification is not implemented yet; leave it unset, a round then \
+verifies the chain of K proposals",
+        }),
+    }
+}
+
 fn check_startup_numbers(k: usize, b: usize) -> Result<()> {
     if !(1..=MAX_DRAFT_COUNT as usize).contains(&k) {
         return Err(EngineError::InvalidOption {
@@ -286,7 +300,7 @@ fn check_budget(plan: &MemoryPlan, budget: u64) -> Result<()> {
     Ok(())
 }
 
-impl<T: Target> Engine<T, DraftProposer> {
+impl<'a, T: Target> Engine<T, DraftProposer<'a>> {
     /// Start an engine with the DFlash / DFlash2 draft `model` (bound on `model.backend()`,
     /// which becomes the engine's backend) and the target parts it borrows.
     ///
@@ -299,7 +313,7 @@ impl<T: Target> Engine<T, DraftProposer> {
     pub fn with_draft(
         target: T,
         model: DraftModel,
-        parts: DraftTargetParts,
+        parts: DraftTargetParts<'a>,
         options: &EngineOptions,
     ) -> Result<Self> {
         let (startup, _, draft_plan) = DraftProposer::plan(&model, &parts, options)?;
@@ -329,6 +343,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         let k = options.startup.draft_count as usize;
         let b = options.startup.concurrency as usize;
         check_startup_numbers(k, b)?;
+        check_no_tree(&options.startup)?;
         if proposer.draft_count() != k {
             return Err(EngineError::ProposerMismatch {
                 what: "draft count K",

@@ -29,6 +29,17 @@ pub enum EngineError {
         /// What was passed.
         found: String,
     },
+    /// A startup option asks for something this engine does not implement yet (refused at
+    /// startup, never silently replaced by something else).
+    #[error("option `{option}` = {found} is not supported: {reason}")]
+    Unsupported {
+        /// The option (`startup.tree_nodes`).
+        option: &'static str,
+        /// What was passed.
+        found: String,
+        /// Why, and what works instead.
+        reason: &'static str,
+    },
     /// The planned memory does not fit the caller's budget (checked at startup, before any
     /// allocation of the engine's own buffers).
     #[error("memory: the plan needs {need} bytes, the budget is {budget} bytes ({plan})")]

@@ -27,16 +27,197 @@ pub enum Backend {
 pub(crate) enum Storage<T: Element> {
     /// Host memory.
     Host(Vec<T>),
+    /// Host memory the caller owns, read-only (a [`Borrowed`] view; the pointer is valid and
+    /// unaliased by writers for the view's lifetime).
+    HostBorrowed(*const T, usize),
     /// Device memory and the logical length (an empty buffer holds a 1-element allocation,
     /// since the driver refuses zero-byte allocations).
     #[cfg(feature = "cuda")]
     Device(cudarc::driver::CudaSlice<T>, usize),
+    /// Device memory the caller owns, read-only (a [`Borrowed`] view): never freed here.
+    #[cfg(feature = "cuda")]
+    DeviceBorrowed(crate::cuda::BorrowedSlice<T>, usize),
 }
 
-/// A flat, typed array owned by one backend.
+/// A flat, typed array owned by one backend (or, inside a [`Borrowed`] view, memory the
+/// caller owns).
 #[derive(Debug)]
 pub struct Buffer<T: Element> {
     pub(crate) storage: Storage<T>,
+}
+
+// SAFETY: the owned storages are Send + Sync already; a borrowed storage is a read-only view
+// of `[T]` (`T: Sync`, as every `Element` is) that only a `Borrowed<'a, T>` holds, which
+// never hands out the `Buffer` by value, so sharing or sending it is sharing `&'a [T]`.
+unsafe impl<T: Element> Send for Buffer<T> {}
+// SAFETY: as above.
+unsafe impl<T: Element> Sync for Buffer<T> {}
+
+/// A read-only view of memory the caller owns (a host slice on the CPU backend, a device
+/// range on CUDA) that every op and buffer operation reads like a `&Buffer<T>` (it
+/// dereferences to one): the way an engine lends its target's embedding, output head,
+/// shortlist or verify outputs to these crates without a copy. Nothing is ever written
+/// through it (the `host_mut` / `device_mut` accessors refuse it) and dropping it frees
+/// nothing.
+///
+/// Made by [`Borrowed::host`] (a slice, safe), `Borrowed::cuda` (a cudarc slice or view of
+/// the backend's context, safe) or the one unsafe constructor [`Borrowed::from_raw`].
+#[derive(Debug)]
+pub struct Borrowed<'a, T: Element> {
+    buf: Buffer<T>,
+    _lent: std::marker::PhantomData<&'a [T]>,
+}
+
+impl<T: Element> std::ops::Deref for Borrowed<'_, T> {
+    type Target = Buffer<T>;
+    fn deref(&self) -> &Buffer<T> {
+        &self.buf
+    }
+}
+
+impl<'a, T: Element> Borrowed<'a, T> {
+    /// A view of host memory, for the CPU backend.
+    pub fn host(data: &'a [T]) -> Self {
+        Borrowed {
+            buf: Buffer {
+                storage: Storage::HostBorrowed(data.as_ptr(), data.len()),
+            },
+            _lent: std::marker::PhantomData,
+        }
+    }
+
+    /// A view of `len` elements of `T` at address `addr`: a host address on
+    /// [`Backend::Cpu`], a device address (`CUdeviceptr`) on CUDA.
+    ///
+    /// Checked (an [`OpsError::Borrow`] names what failed): the address is not null (unless
+    /// `len` is 0) and is aligned to `T` on the host and to 16 bytes on a device (what the
+    /// kernels' vector and TMA loads need; `cudaMalloc` gives 256); on CUDA the driver knows
+    /// the address as device memory of the backend's device and the whole range
+    /// `[addr, addr + len * size_of::<T>())` lies inside one allocation.
+    ///
+    /// # Safety
+    ///
+    /// For the lifetime `'a` the caller guarantees that:
+    /// - the memory stays allocated and holds `len` valid `T` (not freed, not remapped);
+    /// - nothing writes it while any op may read it (no host write, no kernel of another
+    ///   stream; on the backend's own stream, work queued before an op is ordered before it);
+    /// - on CUDA, it is accessible from the backend's context (allocated in that context,
+    ///   or through a context of the same device sharing it, e.g. the primary context), and
+    ///   it outlives every op queued on the stream that reads it (drop the view only after
+    ///   those have run, e.g. after a synchronize or an event the host waits for).
+    pub unsafe fn from_raw(be: &Backend, addr: u64, len: usize) -> Result<Self> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| OpsError::Borrow {
+                problem: format!("{len} x {} overflows the address space", T::DTYPE),
+            })?;
+        match be {
+            Backend::Cpu => {
+                let align = std::mem::align_of::<T>() as u64;
+                if len > 0 && (addr == 0 || addr % align != 0) {
+                    return Err(OpsError::Borrow {
+                        problem: format!(
+                            "host address {addr:#x} is null or not aligned to {align} bytes ({})",
+                            T::DTYPE
+                        ),
+                    });
+                }
+                if bytes > isize::MAX as usize {
+                    return Err(OpsError::Borrow {
+                        problem: format!("{bytes} bytes exceed isize::MAX"),
+                    });
+                }
+                Ok(Borrowed {
+                    buf: Buffer {
+                        storage: Storage::HostBorrowed(addr as *const T, len),
+                    },
+                    _lent: std::marker::PhantomData,
+                })
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => {
+                // SAFETY: forwarded from this function's contract.
+                let slice = unsafe { c.borrow_range::<T>(addr, len, bytes)? };
+                Ok(Borrowed {
+                    buf: Buffer {
+                        storage: Storage::DeviceBorrowed(slice, len),
+                    },
+                    _lent: std::marker::PhantomData,
+                })
+            }
+        }
+    }
+}
+
+/// A buffer a component either owns or borrows from its host (e.g. the target parts an
+/// engine lends the draft): reads are the same either way (it dereferences to a `Buffer`).
+#[derive(Debug)]
+pub enum Held<'a, T: Element> {
+    /// Allocated on (and freed by) the backend.
+    Owned(Buffer<T>),
+    /// The host's memory, read-only.
+    Borrowed(Borrowed<'a, T>),
+}
+
+impl<T: Element> Held<'_, T> {
+    /// Bytes this holder allocated (0 for borrowed memory).
+    pub fn owned_bytes(&self) -> u64 {
+        match self {
+            Held::Owned(b) => (b.len() * std::mem::size_of::<T>()) as u64,
+            Held::Borrowed(_) => 0,
+        }
+    }
+}
+
+impl<T: Element> std::ops::Deref for Held<'_, T> {
+    type Target = Buffer<T>;
+    fn deref(&self) -> &Buffer<T> {
+        match self {
+            Held::Owned(b) => b,
+            Held::Borrowed(b) => b,
+        }
+    }
+}
+
+impl<T: Element> From<Buffer<T>> for Held<'_, T> {
+    fn from(b: Buffer<T>) -> Self {
+        Held::Owned(b)
+    }
+}
+
+impl<'a, T: Element> From<Borrowed<'a, T>> for Held<'a, T> {
+    fn from(b: Borrowed<'a, T>) -> Self {
+        Held::Borrowed(b)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl<'a, T: Element> Borrowed<'a, T> {
+    /// A view of a cudarc slice or view (`&CudaSlice<T>`, `&CudaView<'_, T>`) allocated in
+    /// the context of `be` (a CUDA backend), checked as [`Self::from_raw`] does. The borrow
+    /// keeps Rust code from writing or freeing it for `'a`; the backend's stream is ordered
+    /// after the slice's last recorded write (cudarc event tracking) when the view is made.
+    /// Kernels of other streams that write it while ops read it remain the caller's to
+    /// avoid, as with any cudarc slice.
+    pub fn cuda<S>(be: &Backend, slice: &'a S) -> Result<Self>
+    where
+        S: cudarc::driver::DevicePtr<T>,
+    {
+        let Backend::Cuda(c) = be else {
+            return Err(OpsError::WrongBackend {
+                op: "borrow",
+                tensor: "slice",
+                expected: "cpu",
+                found: "cuda",
+            });
+        };
+        let len = slice.len();
+        let (addr, _order) = slice.device_ptr(c.stream());
+        // SAFETY: `slice` is a live cudarc allocation borrowed for `'a` (so it is neither
+        // freed nor written through Rust meanwhile); `from_raw` checks it belongs to this
+        // backend's device and that the range fits the allocation.
+        unsafe { Self::from_raw(be, addr, len) }
+    }
 }
 
 impl<T: Element> Buffer<T> {
@@ -51,8 +232,9 @@ impl<T: Element> Buffer<T> {
     pub fn len(&self) -> usize {
         match &self.storage {
             Storage::Host(v) => v.len(),
+            Storage::HostBorrowed(_, len) => *len,
             #[cfg(feature = "cuda")]
-            Storage::Device(_, len) => *len,
+            Storage::Device(_, len) | Storage::DeviceBorrowed(_, len) => *len,
         }
     }
 
@@ -64,9 +246,34 @@ impl<T: Element> Buffer<T> {
     /// The name of the backend the buffer lives on (`"cpu"` or `"cuda"`).
     pub fn backend_name(&self) -> &'static str {
         match &self.storage {
-            Storage::Host(_) => "cpu",
+            Storage::Host(_) | Storage::HostBorrowed(..) => "cpu",
             #[cfg(feature = "cuda")]
-            Storage::Device(..) => "cuda",
+            Storage::Device(..) | Storage::DeviceBorrowed(..) => "cuda",
+        }
+    }
+
+    /// True when the buffer is a [`Borrowed`] view of the caller's memory.
+    pub fn is_borrowed(&self) -> bool {
+        match &self.storage {
+            Storage::Host(_) => false,
+            Storage::HostBorrowed(..) => true,
+            #[cfg(feature = "cuda")]
+            Storage::Device(..) => false,
+            #[cfg(feature = "cuda")]
+            Storage::DeviceBorrowed(..) => true,
+        }
+    }
+
+    /// The address of the first element (host or device), for identity checks: a
+    /// [`Borrowed`] view reports the lender's address.
+    pub fn address(&self) -> u64 {
+        match &self.storage {
+            Storage::Host(v) => v.as_ptr() as u64,
+            Storage::HostBorrowed(p, _) => *p as u64,
+            #[cfg(feature = "cuda")]
+            Storage::Device(d, _) => crate::cuda::slice_address(d),
+            #[cfg(feature = "cuda")]
+            Storage::DeviceBorrowed(d, _) => crate::cuda::slice_address(d.slice()),
         }
     }
 
@@ -75,8 +282,15 @@ impl<T: Element> Buffer<T> {
         let _ = (op, tensor); // used only when a device variant exists
         match &self.storage {
             Storage::Host(v) => Ok(v),
+            Storage::HostBorrowed(p, len) => Ok(if *len == 0 {
+                &[]
+            } else {
+                // SAFETY: a `Borrowed` view's contract: `len` valid `T` at `p`, unwritten
+                // for the view's lifetime, which outlives `&self`.
+                unsafe { std::slice::from_raw_parts(*p, *len) }
+            }),
             #[cfg(feature = "cuda")]
-            Storage::Device(..) => Err(OpsError::WrongBackend {
+            Storage::Device(..) | Storage::DeviceBorrowed(..) => Err(OpsError::WrongBackend {
                 op,
                 tensor,
                 expected: "cpu",
@@ -90,8 +304,9 @@ impl<T: Element> Buffer<T> {
         let _ = (op, tensor); // used only when a device variant exists
         match &mut self.storage {
             Storage::Host(v) => Ok(v),
+            Storage::HostBorrowed(..) => Err(OpsError::ReadOnly { op, tensor }),
             #[cfg(feature = "cuda")]
-            Storage::Device(..) => Err(OpsError::WrongBackend {
+            Storage::Device(..) | Storage::DeviceBorrowed(..) => Err(OpsError::WrongBackend {
                 op,
                 tensor,
                 expected: "cpu",
@@ -109,7 +324,8 @@ impl<T: Element> Buffer<T> {
     ) -> Result<&cudarc::driver::CudaSlice<T>> {
         match &self.storage {
             Storage::Device(d, _) => Ok(d),
-            Storage::Host(_) => Err(OpsError::WrongBackend {
+            Storage::DeviceBorrowed(d, _) => Ok(d.slice()),
+            Storage::Host(_) | Storage::HostBorrowed(..) => Err(OpsError::WrongBackend {
                 op,
                 tensor,
                 expected: "cuda",
@@ -127,7 +343,8 @@ impl<T: Element> Buffer<T> {
     ) -> Result<&mut cudarc::driver::CudaSlice<T>> {
         match &mut self.storage {
             Storage::Device(d, _) => Ok(d),
-            Storage::Host(_) => Err(OpsError::WrongBackend {
+            Storage::DeviceBorrowed(..) => Err(OpsError::ReadOnly { op, tensor }),
+            Storage::Host(_) | Storage::HostBorrowed(..) => Err(OpsError::WrongBackend {
                 op,
                 tensor,
                 expected: "cuda",
@@ -156,6 +373,15 @@ fn check_range(
     }
 }
 
+thread_local! {
+    /// Buffers the calling thread allocated through a CPU backend.
+    static HOST_ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn count_host_allocation() {
+    HOST_ALLOCATIONS.with(|c| c.set(c.get() + 1));
+}
+
 impl Backend {
     /// The host reference backend.
     pub fn cpu() -> Self {
@@ -176,30 +402,74 @@ impl Backend {
         matches!(self, Backend::Cpu)
     }
 
-    /// A buffer of `len` zero elements.
+    /// A buffer of `len` zero elements (an allocation: [`Self::allocations`]).
     pub fn zeros<T: Element>(&self, len: usize) -> Result<Buffer<T>> {
         match self {
-            Backend::Cpu => Ok(Buffer::from_vec(vec![T::default(); len])),
+            Backend::Cpu => {
+                count_host_allocation();
+                Ok(Buffer::from_vec(vec![T::default(); len]))
+            }
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => c.zeros(len),
         }
     }
 
-    /// A buffer of `len` copies of `value`.
+    /// A buffer of `len` copies of `value` (an allocation).
     pub fn filled<T: Element>(&self, len: usize, value: T) -> Result<Buffer<T>> {
         match self {
-            Backend::Cpu => Ok(Buffer::from_vec(vec![value; len])),
+            Backend::Cpu => {
+                count_host_allocation();
+                Ok(Buffer::from_vec(vec![value; len]))
+            }
             #[cfg(feature = "cuda")]
             Backend::Cuda(_) => self.upload(&vec![value; len]),
         }
     }
 
-    /// A buffer holding a copy of `data`.
+    /// A buffer holding a copy of `data` (an allocation).
     pub fn upload<T: Element>(&self, data: &[T]) -> Result<Buffer<T>> {
         match self {
-            Backend::Cpu => Ok(Buffer::from_vec(data.to_vec())),
+            Backend::Cpu => {
+                count_host_allocation();
+                Ok(Buffer::from_vec(data.to_vec()))
+            }
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => c.upload(data),
+        }
+    }
+
+    /// Buffers this backend has allocated (`zeros`, `filled`, `upload`, op scratch): on
+    /// CUDA, the backend's device allocations since it was created; on the CPU (whose
+    /// buffers are host vectors and whose ops run on the calling thread), those the calling
+    /// thread made through any CPU backend. An engine checks that a round after warm-up adds
+    /// none (`round_allocates_nothing_after_warmup`). [`Borrowed`] views do not count.
+    pub fn allocations(&self) -> u64 {
+        match self {
+            Backend::Cpu => HOST_ALLOCATIONS.with(std::cell::Cell::get),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.allocations(),
+        }
+    }
+
+    /// Times the host has waited for the device (0 on the CPU): each [`Self::synchronize`],
+    /// each read back to the host, and each write that found the pinned staging full.
+    pub fn synchronizations(&self) -> u64 {
+        match self {
+            Backend::Cpu => 0,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.synchronizations(),
+        }
+    }
+
+    /// Reserve `bytes` of pinned host memory through which writes are queued without
+    /// waiting (CUDA; a no-op on the CPU): at least what one round writes between two
+    /// reads. See `CudaBackend::reserve_staging`.
+    pub fn reserve_staging(&self, bytes: usize) -> Result<()> {
+        let _ = bytes; // used only when a device variant exists
+        match self {
+            Backend::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.reserve_staging(bytes),
         }
     }
 
@@ -218,7 +488,9 @@ impl Backend {
         }
     }
 
-    /// Overwrite elements `offset..offset+data.len()` of `buf` with `data`.
+    /// Overwrite elements `offset..offset+data.len()` of `buf` with `data` (on CUDA queued on
+    /// the stream through pinned staging, so it returns without waiting; `data` may be
+    /// reused at once).
     pub fn write<T: Element>(&self, buf: &mut Buffer<T>, offset: usize, data: &[T]) -> Result<()> {
         check_range("write", "buf", offset, data.len(), buf.len())?;
         match self {
@@ -282,6 +554,7 @@ impl Backend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     #[test]
     fn cpu_buffer_round_trip_and_ranges() {
@@ -312,5 +585,101 @@ mod tests {
             be.read(&b, usize::MAX, 2).is_err(),
             "overflowing range is refused"
         );
+    }
+
+    #[test]
+    fn borrowed_host_view_reads_the_lenders_memory_and_is_never_written() {
+        let lent: Vec<bf16> = (0..12).map(|i| bf16::from_f32(i as f32 - 3.5)).collect();
+        let view = Borrowed::host(&lent);
+        assert!(view.is_borrowed());
+        assert_eq!(view.len(), 12);
+        assert_eq!(view.address(), lent.as_ptr() as u64, "no copy was made");
+        assert_eq!(
+            view.host("t", "table").expect("host").as_ptr(),
+            lent.as_ptr(),
+            "ops read the lender's memory"
+        );
+        // An op reads it like an owned buffer and gives the same bits.
+        let be = Backend::cpu();
+        let ids = be.upload(&[2i32, 0]).expect("ids");
+        let p = crate::embedding_gather::EmbeddingGatherParams {
+            vocab: 4,
+            hidden: 3,
+        };
+        let mut from_view = be.filled(6, bf16::POISON).expect("out");
+        crate::embedding_gather::run(&be, &ids, &view, &mut from_view, &p).expect("view");
+        let owned = be.upload(&lent).expect("owned");
+        let mut from_owned = be.filled(6, bf16::POISON).expect("out");
+        crate::embedding_gather::run(&be, &ids, &owned, &mut from_owned, &p).expect("owned");
+        assert_eq!(
+            from_view.host("t", "out").expect("host"),
+            from_owned.host("t", "out").expect("host")
+        );
+        assert_eq!(from_view.host("t", "out").expect("host")[0], lent[6]);
+        // Nothing writes through a borrowed storage, even from inside the crate.
+        let mut inner = Buffer {
+            storage: Storage::HostBorrowed(lent.as_ptr(), lent.len()),
+        };
+        assert!(matches!(
+            inner.host_mut("op", "lent"),
+            Err(OpsError::ReadOnly {
+                op: "op",
+                tensor: "lent"
+            })
+        ));
+        assert!(be.write(&mut inner, 0, &[bf16::ZERO]).is_err());
+        assert!(be.fill(&mut inner, bf16::ZERO).is_err());
+        drop(inner);
+        drop(view);
+        assert_eq!(
+            lent[0],
+            bf16::from_f32(-3.5),
+            "the lender's memory is untouched"
+        );
+    }
+
+    #[test]
+    fn borrowed_from_raw_checks_the_address() {
+        let be = Backend::cpu();
+        let data = [1i32, 2, 3, 4];
+        // SAFETY: `data` outlives the view and is not written.
+        let ok = unsafe { Borrowed::<i32>::from_raw(&be, data.as_ptr() as u64 + 4, 3) }
+            .expect("aligned, in range");
+        assert_eq!(ok.host("t", "x").expect("host"), &[2, 3, 4]);
+        // SAFETY: refused before any use.
+        let null = unsafe { Borrowed::<i32>::from_raw(&be, 0, 1) };
+        assert!(matches!(null, Err(OpsError::Borrow { .. })));
+        // SAFETY: refused before any use.
+        let odd = unsafe { Borrowed::<i32>::from_raw(&be, data.as_ptr() as u64 + 2, 1) };
+        assert!(matches!(odd, Err(OpsError::Borrow { .. })), "{odd:?}");
+        // SAFETY: refused before any use.
+        let huge = unsafe { Borrowed::<i32>::from_raw(&be, 4, usize::MAX / 2) };
+        assert!(matches!(huge, Err(OpsError::Borrow { .. })));
+        // SAFETY: an empty view is never dereferenced.
+        let empty = unsafe { Borrowed::<i32>::from_raw(&be, 0, 0) }.expect("empty");
+        assert!(empty.host("t", "x").expect("host").is_empty());
+    }
+
+    #[test]
+    fn cpu_allocations_are_counted_per_thread() {
+        let be = Backend::cpu();
+        let before = be.allocations();
+        let a = be.zeros::<f32>(3).expect("zeros");
+        let _b = be.filled(2, 1i32).expect("filled");
+        let _c = be.upload(&[1u16 as i32]).expect("upload");
+        assert_eq!(be.allocations(), before + 3);
+        let lent = [0.5f32; 3];
+        let _v = Borrowed::host(&lent);
+        let _d = be.download(&a).expect("download");
+        assert_eq!(
+            be.allocations(),
+            before + 3,
+            "views and reads allocate no buffer"
+        );
+        let other = std::thread::spawn(|| Backend::cpu().allocations())
+            .join()
+            .expect("thread");
+        assert_eq!(other, 0, "another thread's count is its own");
+        assert_eq!(be.synchronizations(), 0);
     }
 }

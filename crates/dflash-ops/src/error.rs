@@ -57,6 +57,21 @@ pub enum OpsError {
         /// The backend the buffer lives on.
         found: &'static str,
     },
+    /// An output or written buffer is a read-only [`crate::Borrowed`] view of the caller's
+    /// memory.
+    #[error("{op}: tensor `{tensor}` is a borrowed read-only view; it cannot be written")]
+    ReadOnly {
+        /// The op or buffer operation.
+        op: &'static str,
+        /// The argument name.
+        tensor: &'static str,
+    },
+    /// A [`crate::Borrowed`] view of caller memory was refused.
+    #[error("borrowing caller memory: {problem}")]
+    Borrow {
+        /// What the address or range failed.
+        problem: String,
+    },
     /// A range of a buffer lies outside it.
     #[error("{op}: range {start}..{end} of `{tensor}` is outside its {len} elements")]
     Range {

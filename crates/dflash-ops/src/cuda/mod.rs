@@ -18,6 +18,7 @@
 //! queued before each (not under [`KernelVariants::Portable`]).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
@@ -93,6 +94,78 @@ struct Inner {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     kernels: Mutex<KernelCache>,
     blas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
+    staging: Mutex<Staging>,
+    counters: Counters,
+}
+
+/// What a backend has done that an embedding engine budgets: device allocations and host
+/// synchronizations (see [`CudaBackend::allocations`], [`CudaBackend::synchronizations`]).
+#[derive(Debug, Default)]
+struct Counters {
+    allocations: AtomicU64,
+    synchronizations: AtomicU64,
+}
+
+/// Pinned host memory that host-to-device writes are staged through, so that a write is
+/// queued on the stream and returns without waiting ([`CudaBackend::reserve_staging`]).
+/// `used` bytes hold copies that may still be in flight; every synchronize of the stream
+/// completes them and resets `used` to 0.
+#[derive(Debug, Default)]
+struct Staging {
+    ptr: Option<std::ptr::NonNull<u8>>,
+    capacity: usize,
+    used: usize,
+}
+
+// SAFETY: the pinned block is only touched under the `Mutex<Staging>`.
+unsafe impl Send for Staging {}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Some(p) = self.ptr.take() {
+            // SAFETY: `p` came from cuMemHostAlloc and is freed once; every copy from it was
+            // queued on the backend's stream, which the owner synchronizes before dropping
+            // (`Inner::drop`).
+            let _ = unsafe { cudarc::driver::result::free_host(p.as_ptr().cast()) };
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Copies staged from pinned memory must finish before that memory is freed (on a
+        // host's stream this waits for the host's work queued there too).
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// Staging capacity reserved at the first write when none was planned (bytes).
+pub const DEFAULT_STAGING_BYTES: usize = 1 << 20;
+
+/// Device memory a [`crate::Borrowed`] view lends: a cudarc slice over the caller's
+/// allocation, handed back (never freed) when dropped.
+#[derive(Debug)]
+pub(crate) struct BorrowedSlice<T>(std::mem::ManuallyDrop<cudarc::driver::CudaSlice<T>>);
+
+impl<T> BorrowedSlice<T> {
+    /// The slice ops read through.
+    pub(crate) fn slice(&self) -> &cudarc::driver::CudaSlice<T> {
+        &self.0
+    }
+}
+
+impl<T> Drop for BorrowedSlice<T> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; `leak` hands the address back without freeing it.
+        let s = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
+        let _ = s.leak();
+    }
+}
+
+/// The device address of a cudarc slice.
+pub(crate) fn slice_address<T>(d: &cudarc::driver::CudaSlice<T>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    d.device_ptr(d.stream()).0
 }
 
 /// Prepared kernels by (module, function, dynamic shared memory bytes).
@@ -365,6 +438,46 @@ impl CudaBackend {
         // SAFETY: we order all work on one stream ourselves; no event-based sync is relied on.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        Self::build(stream, options)
+    }
+
+    /// A backend on the host engine's own stream (and so its context and device): every op,
+    /// copy and allocation of this backend is queued on `stream`, in order with the host's
+    /// own work there, so the host never synchronizes around a call. The context's settings
+    /// are left as the host made them; with cudarc event tracking on (its default) cudarc
+    /// records events around each buffer use, which costs launches but stays correct. To
+    /// capture these ops into a CUDA graph, turn event tracking off on the host's context
+    /// (`CudaContext::disable_event_tracking`).
+    pub fn on_stream(stream: Arc<CudaStream>, options: CudaOptions) -> Result<Self> {
+        Self::build(stream, options)
+    }
+
+    /// [`Self::on_stream`] for a host that holds a raw driver stream (`CUstream`, e.g. from
+    /// the CUDA runtime or another binding) of the context `ctx` (e.g.
+    /// `CudaContext::new(ordinal)`, the device's primary context, which the runtime API also
+    /// uses).
+    ///
+    /// # Safety
+    ///
+    /// `cu_stream` is a valid stream of `ctx` (or the null / per-thread stream handle), and
+    /// the host keeps it alive (does not destroy it) while this backend or anything made from
+    /// it may use it.
+    pub unsafe fn on_raw_stream(
+        ctx: Arc<CudaContext>,
+        cu_stream: cudarc::driver::sys::CUstream,
+        options: CudaOptions,
+    ) -> Result<Self> {
+        // SAFETY: forwarded from this function's contract.
+        let stream = unsafe { ctx.wrap_borrowed_stream(cu_stream) };
+        Self::build(stream, options)
+    }
+
+    /// The backend over `stream`: the device's limits and architecture, the NVRTC include
+    /// path, empty caches and counters.
+    fn build(stream: Arc<CudaStream>, options: CudaOptions) -> Result<Self> {
+        let ctx = stream.context().clone();
+        ctx.bind_to_thread()
+            .map_err(cuda_err("binding the stream's context"))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda_err("reading compute capability"))?;
@@ -394,8 +507,155 @@ impl CudaBackend {
                 modules: Mutex::new(HashMap::new()),
                 kernels: Mutex::new(HashMap::new()),
                 blas: Mutex::new(None),
+                staging: Mutex::new(Staging::default()),
+                counters: Counters::default(),
             }),
         })
+    }
+
+    /// Device allocations this backend has made (buffers from `zeros`, `filled`, `upload`,
+    /// and op scratch), since it was created: an engine checks that a round after warm-up
+    /// adds none. Views of caller memory ([`crate::Borrowed`]) and the pinned staging block
+    /// are not device allocations and do not count.
+    pub fn allocations(&self) -> u64 {
+        self.inner.counters.allocations.load(Ordering::Relaxed)
+    }
+
+    /// Times this backend has waited for its stream (each `synchronize`, each read back to
+    /// the host, and a write that found the staging block full), since it was created.
+    pub fn synchronizations(&self) -> u64 {
+        self.inner.counters.synchronizations.load(Ordering::Relaxed)
+    }
+
+    /// Reserve `bytes` of pinned host memory for staging host-to-device writes (at least
+    /// what one round writes between two reads; the engine plans it at startup). Writes
+    /// are then queued without waiting; a write that does not fit in what is left
+    /// synchronizes once and starts over, a write larger than the whole block is copied
+    /// directly and waited for. Growing replaces the block (after a synchronize); a smaller
+    /// request keeps the current one.
+    pub fn reserve_staging(&self, bytes: usize) -> Result<()> {
+        if bytes <= self.lock_staging()?.capacity {
+            return Ok(());
+        }
+        // Every copy from the current block completes first (this also resets `used`); the
+        // staging lock is not held across it (`synchronize` takes it).
+        self.synchronize()?;
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context for pinned staging"))?;
+        let mut st = self.lock_staging()?;
+        if bytes <= st.capacity {
+            return Ok(());
+        }
+        // SAFETY: a fresh pinned block of `bytes` bytes; only ever written as bytes.
+        let p = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }.map_err(cuda_err(
+            format!("allocating {bytes} bytes of pinned staging"),
+        ))?;
+        let Some(p) = std::ptr::NonNull::new(p.cast::<u8>()) else {
+            return Err(OpsError::Cuda {
+                context: "allocating pinned staging".into(),
+                message: "cuMemHostAlloc returned null".into(),
+            });
+        };
+        if let Some(old) = st.ptr.replace(p) {
+            // SAFETY: the stream was synchronized above and the lock has been held since the
+            // block was last read by nothing queued after (writes take the lock), so no
+            // copy reads the old block.
+            unsafe { cudarc::driver::result::free_host(old.as_ptr().cast()) }
+                .map_err(cuda_err("freeing the previous pinned staging"))?;
+        }
+        st.capacity = bytes;
+        st.used = 0;
+        Ok(())
+    }
+
+    /// Bytes of pinned staging reserved.
+    pub fn staging_bytes(&self) -> usize {
+        self.lock_staging().map(|s| s.capacity).unwrap_or(0)
+    }
+
+    fn lock_staging(&self) -> Result<std::sync::MutexGuard<'_, Staging>> {
+        self.inner.staging.lock().map_err(|_| OpsError::Cuda {
+            context: "pinned staging".into(),
+            message: "lock poisoned".into(),
+        })
+    }
+
+    /// The device range `[addr, addr + bytes)` as a slice of `len` `T` that is never freed
+    /// here, after checking it: non-null, 16-byte aligned, device memory of this backend's
+    /// device, inside one allocation (cuPointerGetAttribute).
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`crate::Borrowed::from_raw`].
+    pub(crate) unsafe fn borrow_range<T: Element>(
+        &self,
+        addr: u64,
+        len: usize,
+        bytes: usize,
+    ) -> Result<BorrowedSlice<T>> {
+        use cudarc::driver::sys;
+        let refuse = |problem: String| Err(OpsError::Borrow { problem });
+        if len > 0 {
+            if addr == 0 || addr % 16 != 0 {
+                return refuse(format!(
+                    "device address {addr:#x} is null or not aligned to 16 bytes"
+                ));
+            }
+            self.inner
+                .ctx
+                .bind_to_thread()
+                .map_err(cuda_err("binding the context to borrow memory"))?;
+            let attr = |a: sys::CUpointer_attribute, out: *mut std::ffi::c_void| {
+                // SAFETY: `out` points at a value of the attribute's documented type.
+                unsafe { sys::cuPointerGetAttribute(out, a, addr) }
+            };
+            use sys::CUpointer_attribute as P;
+            let mut ordinal: std::ffi::c_int = -1;
+            let mut start: sys::CUdeviceptr = 0;
+            let mut size: usize = 0;
+            for (a, out) in [
+                (
+                    P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    (&mut ordinal as *mut std::ffi::c_int).cast(),
+                ),
+                (
+                    P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                    (&mut start as *mut sys::CUdeviceptr).cast(),
+                ),
+                (
+                    P::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                    (&mut size as *mut usize).cast(),
+                ),
+            ] {
+                let status = attr(a, out);
+                if status != sys::CUresult::CUDA_SUCCESS {
+                    return refuse(format!(
+                        "the driver does not know {addr:#x} as device memory ({a:?}: {status:?})"
+                    ));
+                }
+            }
+            if usize::try_from(ordinal).ok() != Some(self.inner.ctx.ordinal()) {
+                return refuse(format!(
+                    "{addr:#x} is memory of device {ordinal}, the backend runs on device {}",
+                    self.inner.ctx.ordinal()
+                ));
+            }
+            let inside = addr
+                .checked_sub(start)
+                .and_then(|o| o.checked_add(bytes as u64))
+                .is_some_and(|e| e <= size as u64);
+            if !inside {
+                return refuse(format!(
+                    "{bytes} bytes at {addr:#x} exceed the allocation [{start:#x}, +{size})"
+                ));
+            }
+        }
+        // SAFETY: the range was checked above (or is empty and never dereferenced); the
+        // caller guarantees it stays valid while borrowed; `BorrowedSlice` never frees it.
+        let slice = unsafe { self.inner.stream.upgrade_device_ptr::<T>(addr, len) };
+        Ok(BorrowedSlice(std::mem::ManuallyDrop::new(slice)))
     }
 
     /// The device's SM count and shared-memory limit.
@@ -669,12 +929,24 @@ impl CudaBackend {
         })
     }
 
-    /// Wait for the stream.
+    /// Wait for the stream (counted in [`Self::synchronizations`]); every staged write
+    /// has then completed, so the staging block is free again.
     pub fn synchronize(&self) -> Result<()> {
+        // Held across the wait, so that no write stages a copy between the wait and the
+        // reset (it would be in flight while its bytes count as free).
+        let staging = self.inner.staging.lock();
         self.inner
             .stream
             .synchronize()
-            .map_err(cuda_err("synchronizing the stream"))
+            .map_err(cuda_err("synchronizing the stream"))?;
+        self.inner
+            .counters
+            .synchronizations
+            .fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut st) = staging {
+            st.used = 0;
+        }
+        Ok(())
     }
 
     pub(crate) fn zeros<T: Element>(&self, len: usize) -> Result<Buffer<T>> {
@@ -683,23 +955,19 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<T>(len.max(1))
             .map_err(cuda_err(format!("allocating {len} x {}", T::DTYPE)))?;
+        self.inner
+            .counters
+            .allocations
+            .fetch_add(1, Ordering::Relaxed);
         Ok(Buffer {
             storage: Storage::Device(d, len),
         })
     }
 
     pub(crate) fn upload<T: Element>(&self, data: &[T]) -> Result<Buffer<T>> {
-        if data.is_empty() {
-            return self.zeros(0);
-        }
-        let d = self
-            .inner
-            .stream
-            .clone_htod(data)
-            .map_err(cuda_err(format!("uploading {} x {}", data.len(), T::DTYPE)))?;
-        Ok(Buffer {
-            storage: Storage::Device(d, data.len()),
-        })
+        let mut buf = self.zeros(data.len())?;
+        self.write(&mut buf, 0, data)?;
+        Ok(buf)
     }
 
     pub(crate) fn read<T: Element>(
@@ -721,6 +989,10 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// Queue a copy of `data` into `buf[offset..]`: through the pinned staging block when it
+    /// has room (no wait: the host slice is copied into pinned memory first, so the caller
+    /// may drop or reuse it at once), else after one synchronize frees the block, else (a
+    /// write larger than the block) directly, waiting for it.
     pub(crate) fn write<T: Element>(
         &self,
         buf: &mut Buffer<T>,
@@ -730,13 +1002,72 @@ impl CudaBackend {
         if data.is_empty() {
             return Ok(());
         }
+        use cudarc::driver::DevicePtrMut;
+        let bytes: &[u8] = bytemuck::cast_slice(data);
         let d = buf.device_mut("write", "buf")?;
         let mut view = d.slice_mut(offset..offset + data.len());
+        // `_order` (cudarc event tracking) records the write once the copy is queued.
+        let (dst, _order) = view.device_ptr_mut(&self.inner.stream);
         self.inner
-            .stream
-            .memcpy_htod(data, &mut view)
-            .map_err(cuda_err("copying host to device"))?;
-        // The host slice may be freed when we return: wait for the copy.
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context for a write"))?;
+        // Bounded retries: another thread may fill the block between our synchronize and
+        // the next lock; after that, copy directly.
+        for _ in 0..4 {
+            let mut st = self.lock_staging()?;
+            let Some(base) = st.ptr else {
+                drop(st);
+                self.reserve_staging(DEFAULT_STAGING_BYTES)?;
+                continue;
+            };
+            if bytes.len() > st.capacity {
+                break;
+            }
+            let at = st.used.next_multiple_of(16);
+            if at + bytes.len() > st.capacity {
+                drop(st);
+                self.synchronize()?;
+                continue;
+            }
+            // SAFETY: `at + len <= capacity` (checked under the lock we hold), so the range
+            // lies in the pinned block, and no queued copy reads it (`used` covers every
+            // byte a copy queued since the last synchronize reads).
+            let staged = unsafe {
+                let p = base.as_ptr().add(at);
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len());
+                std::slice::from_raw_parts(p.cast_const(), bytes.len())
+            };
+            // SAFETY: `dst` is `data.len()` elements of a live device buffer of this
+            // context; `staged` is pinned and stays untouched until a synchronize completes
+            // the copy.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    dst,
+                    staged,
+                    self.inner.stream.cu_stream(),
+                )
+            }
+            .map_err(cuda_err("copying host to device (staged)"))?;
+            st.used = at + bytes.len();
+            return Ok(());
+        }
+        self.write_direct(dst, bytes)
+    }
+
+    /// A host-to-device copy from pageable memory, waited for (the host slice may be freed
+    /// when we return).
+    fn write_direct(&self, dst: u64, bytes: &[u8]) -> Result<()> {
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context for a write"))?;
+        // SAFETY: `dst` is `bytes.len()` bytes of a live device buffer of this context;
+        // `bytes` outlives the copy, which the synchronize below waits for.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, bytes, self.inner.stream.cu_stream())
+        }
+        .map_err(cuda_err("copying host to device"))?;
         self.synchronize()
     }
 

@@ -11,6 +11,7 @@
 //! `case [portable]`).
 
 mod graph;
+mod host;
 #[path = "../../report.rs"]
 mod report;
 
@@ -117,6 +118,7 @@ fn run() -> Result<ExitCode> {
         .and_then(|i| args.get(i + 1))
         .cloned();
     let skip_heavy = args.iter().any(|a| a == "--skip-heavy");
+    let heavy_only = args.iter().any(|a| a == "--heavy-only");
     let exclude = args
         .iter()
         .position(|a| a == "--exclude")
@@ -159,7 +161,7 @@ fn run() -> Result<ExitCode> {
         {
             continue;
         }
-        if skip_heavy && case.heavy {
+        if (skip_heavy && case.heavy) || (heavy_only && !case.heavy) {
             continue;
         }
         let t0 = Instant::now();
@@ -208,6 +210,10 @@ eager runs of the same metadata.\n\n| replay | outputs differing from eager |\n|
             format!("## CUDA-graph replay\n\nFAILED to run: {e:#}\n")
         }
     };
+    let (host_md, host_ok) = host::section(&host::check());
+    if !host_ok {
+        failed += 1;
+    }
     let command = args.join(" ");
     let mut md = String::new();
     md.push_str("# Conformance report: CUDA vs the CPU reference\n\n");
@@ -253,6 +259,8 @@ Inputs = every input downloaded after the run equals what was uploaded.\n\n");
     }
     md.push('\n');
     md.push_str(&graph_md);
+    md.push('\n');
+    md.push_str(&host_md);
     for r in rows.iter().filter(|r| r.error.is_some()) {
         md.push_str(&format!(
             "\n- error in {}/{}: {}\n",
