@@ -114,10 +114,10 @@ fn memory_is_planned_up_front_and_checked_against_the_budget() {
         "B lanes"
     );
     let g = target_geometry();
-    // One [n, W, vocab] f32 logits set per batch size n = 1..=8, W = 16.
+    // One [B, W, vocab] f32 logits set for B = 8, W = 16 (not one per batch size).
     assert_eq!(
         pb.bytes("target verify logits"),
-        36 * 16 * g.vocab_rows as u64 * 4
+        8 * 16 * g.vocab_rows as u64 * 4
     );
     let need = pb.total();
     let e = try_engine(

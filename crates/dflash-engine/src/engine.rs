@@ -6,7 +6,7 @@ use dflash_config::{MAX_CONCURRENCY, MAX_DRAFT_COUNT};
 use dflash_draft::DraftModel;
 use dflash_ops::Backend;
 use dflash_verify::{
-    ProposalDist, ProposalKind, RoundOutcome, TOP, TokenHistory, VerifyShape, VerifyWorkspace,
+    ProposalDist, ProposalKind, RoundOutcome, TokenHistory, VerifyShape, VerifyWorkspace,
 };
 
 use crate::draft_proposer::{DraftProposer, DraftTargetParts};
@@ -201,7 +201,9 @@ pub struct Engine<T: Target, P: Proposer> {
     b: usize,
     kind: ProposalKind,
     limit: usize,
-    outputs: Vec<VerifyOutputs>,
+    /// The target verify outputs, planned once for B rows (a round of n rows uses the
+    /// first n).
+    outputs: VerifyOutputs,
     verify: VerifyWorkspace,
     sampler: Sampler,
     active: Vec<Active<P::Slot>>,
@@ -235,22 +237,18 @@ fn engine_plan(info: &TargetInfo, k: usize, b: usize, kind: ProposalKind) -> Mem
     );
     let bb = b as u64;
     let mut plan = MemoryPlan::default();
-    // One output set per compact-batch size n = 1..=B (the target takes exact shapes).
-    let rows: u64 = (1..=bb).sum();
-    plan.push("target verify logits", rows * w * v * 4);
-    plan.push("target verify features", rows * w * fw * 2);
-    let top = if kind == ProposalKind::Top16 {
-        bb * (w - 1) * TOP as u64 * 8
-    } else {
-        0
-    };
+    // One output set for B rows: a round of n live rows uses its first n rows.
+    plan.push("target verify logits", bb * w * v * 4);
+    plan.push("target verify features", bb * w * fw * 2);
     plan.push(
         "verify workspace",
-        bb * v * 4 // history counts
-            + 2 * bb * w * v * 4 // p and the padded logits of short batches
-            + bb * (w - 1) * 4 + top // proposals, retained q and ids
-            + bb * (7 + 2 + 1 + 1 + 1 + 1) * 4 // settings, seeds, positions, live, outcome
-            + bb * w * 4, // output tokens
+        VerifyWorkspace::bytes(&VerifyShape {
+            max_rows: b,
+            cols: w as usize,
+            vocab_rows: info.vocab_rows,
+            public_vocab: info.public_vocab,
+            kind,
+        }),
     );
     plan.push("plain sampler", Sampler::bytes(info.vocab_rows));
     plan
@@ -373,9 +371,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         check_budget(&plan, options.memory_budget)?;
 
         let w = k + 1;
-        let outputs = (1..=b)
-            .map(|n| VerifyOutputs::alloc(&be, &info, n, w))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let outputs = VerifyOutputs::alloc(&be, &info, b, w)?;
         let verify = VerifyWorkspace::new(
             &be,
             VerifyShape {
@@ -853,7 +849,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 .zip(&inputs)
                 .map(|(&s, t)| VerifyRow::chain(s, t))
                 .collect();
-            let out = &mut self.outputs[n - 1];
+            let out = &mut self.outputs;
             self.target.verify(
                 &self.be,
                 &VerifyBatch {
@@ -887,7 +883,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 .verify(
                     &self.be,
                     &vrows,
-                    dflash_verify::TargetLogits::padded(&self.outputs[n - 1].logits),
+                    dflash_verify::TargetLogits::padded(&self.outputs.logits),
                 )
                 .map_err(EngineError::from)
         };
@@ -942,13 +938,9 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             let published = o.outputs()[..nn].to_vec();
             let mut failed = false;
             if nn > 0 {
-                let pushed = self.proposer.push_verified(
-                    a.slot,
-                    f,
-                    &self.outputs[n - 1].features,
-                    i * w,
-                    nn,
-                );
+                let pushed =
+                    self.proposer
+                        .push_verified(a.slot, f, &self.outputs.features, i * w, nn);
                 let hist = a.history.extend(&published);
                 if let Err(e) = pushed.and(hist.map_err(EngineError::from)) {
                     failed = true;

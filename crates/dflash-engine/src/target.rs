@@ -246,8 +246,10 @@ pub trait Target {
     fn pending(&self, seq: SeqHandle) -> Result<Option<usize>, TargetError>;
 
     /// Verify a batch: compute every row's live columns causally on top of its committed state,
-    /// write logits and features into `out` (`[rows, batch.cols, ..]`, dead columns zero), and
-    /// retain per-column records until [`Target::commit`]. No committed state changes.
+    /// write logits and features into the first `rows * batch.cols` columns of `out`
+    /// (`[rows, batch.cols, ..]`, dead columns zero; `out` is planned once for the engine's B
+    /// rows and may be longer: what lies past the batch is not touched), and retain
+    /// per-column records until [`Target::commit`]. No committed state changes.
     fn verify(
         &mut self,
         be: &Backend,
@@ -417,12 +419,12 @@ pub enum TargetError {
         /// The capacity.
         max_positions: usize,
     },
-    /// An output buffer has the wrong number of elements.
-    #[error("output `{tensor}` must have {expected} elements, found {found}")]
+    /// An output buffer is too short for the batch.
+    #[error("output `{tensor}` must have at least {expected} elements, found {found}")]
     OutputShape {
         /// The output name.
         tensor: &'static str,
-        /// Expected element count.
+        /// The element count the batch needs.
         expected: usize,
         /// Found element count.
         found: usize,
