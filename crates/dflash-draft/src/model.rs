@@ -1040,17 +1040,22 @@ impl Workspace {
         self.staged.len()
     }
 
-    /// Read the staged requests' results (synchronizes).
+    /// Read the staged requests' results (one synchronize: every read is queued first).
     pub fn read(&self) -> Result<Vec<RowProposal>> {
         let be = &self.be;
         let k = self.k;
-        let props = be.download(&self.proposals)?;
-        let (cand, unary, q) = match &self.selector {
-            Some(s) => (
-                be.download(&s.candidates)?,
-                be.download(&s.unary)?,
-                be.download(&s.q)?,
-            ),
+        let props = be.read_async(&self.proposals, 0, self.proposals.len())?;
+        let selector = match &self.selector {
+            Some(s) => Some((
+                be.read_async(&s.candidates, 0, s.candidates.len())?,
+                be.read_async(&s.unary, 0, s.unary.len())?,
+                be.read_async(&s.q, 0, s.q.len())?,
+            )),
+            None => None,
+        };
+        let props = props.wait()?;
+        let (cand, unary, q) = match selector {
+            Some((c, u, q)) => (c.wait()?, u.wait()?, q.wait()?),
             None => (Vec::new(), Vec::new(), Vec::new()),
         };
         let kk = k * TOP_K;

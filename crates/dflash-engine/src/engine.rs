@@ -371,6 +371,10 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         check_budget(&plan, options.memory_budget)?;
 
         let w = k + 1;
+        // Pinned staging for a round's host-to-device writes (CUDA; a no-op on the CPU):
+        // the largest is the first history-count upload of B rows (B * vocab i32), the
+        // rest (draft and verify metadata, materialize metadata) is a few KiB.
+        be.reserve_staging(4 * b * info.vocab_rows + (256 << 10))?;
         let outputs = VerifyOutputs::alloc(&be, &info, b, w)?;
         let verify = VerifyWorkspace::new(
             &be,

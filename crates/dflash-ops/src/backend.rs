@@ -354,7 +354,85 @@ impl<T: Element> Buffer<T> {
     }
 }
 
-fn check_range(
+/// A device-to-host read queued by [`Backend::read_async`]: [`PendingRead::wait`] returns its
+/// elements, synchronizing once if nothing synchronized since it was queued (so reads queued
+/// together cost one synchronize). Dropping it unread gives its pinned bytes back.
+#[derive(Debug)]
+pub struct PendingRead<T: Element> {
+    state: ReadState<T>,
+}
+
+#[derive(Debug)]
+enum ReadState<T> {
+    /// Already on the host (the CPU backend, an empty read, or one made at once).
+    Ready(Vec<T>),
+    /// In the CUDA backend's pinned readback block at byte `at`, queued in synchronize epoch
+    /// `epoch`.
+    #[cfg(feature = "cuda")]
+    Queued {
+        backend: crate::cuda::CudaBackend,
+        at: usize,
+        len: usize,
+        epoch: u64,
+    },
+    /// Taken.
+    Done,
+}
+
+impl<T: Element> PendingRead<T> {
+    /// A completed read.
+    pub(crate) fn ready(v: Vec<T>) -> Self {
+        PendingRead {
+            state: ReadState::Ready(v),
+        }
+    }
+
+    /// A read queued into the readback block.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn queued(
+        backend: crate::cuda::CudaBackend,
+        at: usize,
+        len: usize,
+        epoch: u64,
+    ) -> Self {
+        PendingRead {
+            state: ReadState::Queued {
+                backend,
+                at,
+                len,
+                epoch,
+            },
+        }
+    }
+
+    /// The elements (synchronizes the stream if nothing did since the read was queued).
+    pub fn wait(mut self) -> Result<Vec<T>> {
+        match std::mem::replace(&mut self.state, ReadState::Done) {
+            ReadState::Ready(v) => Ok(v),
+            ReadState::Done => Ok(Vec::new()),
+            #[cfg(feature = "cuda")]
+            ReadState::Queued {
+                backend,
+                at,
+                len,
+                epoch,
+            } => backend.take_read(at, len, epoch),
+        }
+    }
+}
+
+impl<T: Element> Drop for PendingRead<T> {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let ReadState::Queued { backend, epoch, .. } =
+            std::mem::replace(&mut self.state, ReadState::Done)
+        {
+            backend.release_read(epoch);
+        }
+    }
+}
+
+pub(crate) fn check_range(
     op: &'static str,
     tensor: &'static str,
     start: usize,
@@ -485,6 +563,26 @@ impl Backend {
             Backend::Cpu => Ok(buf.host("read", "buf")?[offset..offset + len].to_vec()),
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => c.read(buf, offset, len),
+        }
+    }
+
+    /// Queue a read of elements `offset..offset+len` of `buf` (their values at this point of
+    /// the backend's queue) and return at once; [`PendingRead::wait`] delivers them. On CUDA
+    /// the copy lands in pinned memory with the next synchronize, so several reads queued
+    /// before the first `wait` cost one synchronize; on the CPU the read is made at once.
+    pub fn read_async<T: Element>(
+        &self,
+        buf: &Buffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<PendingRead<T>> {
+        check_range("read", "buf", offset, len, buf.len())?;
+        match self {
+            Backend::Cpu => Ok(PendingRead::ready(
+                buf.host("read", "buf")?[offset..offset + len].to_vec(),
+            )),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.read_async(buf, offset, len),
         }
     }
 
@@ -681,5 +779,25 @@ mod tests {
             .expect("thread");
         assert_eq!(other, 0, "another thread's count is its own");
         assert_eq!(be.synchronizations(), 0);
+    }
+
+    #[test]
+    fn read_async_delivers_the_range_and_checks_it() {
+        let be = Backend::cpu();
+        let b = be.upload(&[5i32, 6, 7, 8]).expect("upload");
+        let r1 = be.read_async(&b, 1, 2).expect("queued");
+        let r2 = be.read_async(&b, 0, 0).expect("empty");
+        assert_eq!(r1.wait().expect("wait"), vec![6, 7]);
+        assert!(r2.wait().expect("wait").is_empty());
+        assert!(matches!(
+            be.read_async(&b, 3, 2),
+            Err(OpsError::Range {
+                start: 3,
+                end: 5,
+                len: 4,
+                ..
+            })
+        ));
+        drop(be.read_async(&b, 0, 4).expect("dropped unread"));
     }
 }

@@ -873,9 +873,11 @@ impl VerifyWorkspace {
         let n = rows.len();
         let w = self.shape.cols;
         let public = self.shape.public_vocab;
-        let accepted = be.read(&self.accepted, 0, n)?;
-        let out_len = be.read(&self.out_len, 0, n)?;
-        let tokens = be.read(&self.out_tokens, 0, n * w)?;
+        // Queued together, so the three reads cost one synchronize.
+        let accepted = be.read_async(&self.accepted, 0, n)?;
+        let out_len = be.read_async(&self.out_len, 0, n)?;
+        let tokens = be.read_async(&self.out_tokens, 0, n * w)?;
+        let (accepted, out_len, tokens) = (accepted.wait()?, out_len.wait()?, tokens.wait()?);
         let mut out = Vec::with_capacity(n);
         for (r, row) in rows.iter().enumerate() {
             let np = row.proposals.len();

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 
-use crate::{Buffer, Element, OpsError, Result, backend::Storage};
+use crate::{Buffer, Element, OpsError, PendingRead, Result, backend::Storage};
 
 /// Shared device helpers prepended to every kernel source (bf16/f16 casts, Philox).
 pub const COMMON_CUH: &str = include_str!(concat!(
@@ -95,6 +95,7 @@ struct Inner {
     kernels: Mutex<KernelCache>,
     blas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
     staging: Mutex<Staging>,
+    readback: Mutex<Readback>,
     counters: Counters,
 }
 
@@ -129,6 +130,17 @@ impl Drop for Staging {
             let _ = unsafe { cudarc::driver::result::free_host(p.as_ptr().cast()) };
         }
     }
+}
+
+/// Pinned host memory that device-to-host reads are queued into ([`CudaBackend::read_async`]),
+/// so that several reads complete with one synchronize. `used` bytes are handed out to
+/// `outstanding` pending reads; the block is reused from its start once none is outstanding.
+#[derive(Debug, Default)]
+struct Readback {
+    block: Staging,
+    outstanding: usize,
+    /// Synchronizes so far: a read queued in epoch e has landed once `epoch > e`.
+    epoch: u64,
 }
 
 impl Drop for Inner {
@@ -508,6 +520,7 @@ impl CudaBackend {
                 kernels: Mutex::new(HashMap::new()),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging::default()),
+                readback: Mutex::new(Readback::default()),
                 counters: Counters::default(),
             }),
         })
@@ -946,7 +959,136 @@ impl CudaBackend {
         if let Ok(mut st) = staging {
             st.used = 0;
         }
+        if let Ok(mut rb) = self.inner.readback.lock() {
+            rb.epoch += 1;
+        }
         Ok(())
+    }
+
+    /// Queue a copy of `buf[offset..offset + len]` to the host and return at once; the
+    /// elements are the buffer's at this point of the stream, and arrive with the next
+    /// synchronize, which [`PendingRead::wait`] makes if none happened since. So several reads
+    /// queued together cost one synchronize. A read that does not fit the pinned readback
+    /// block is made at once (waiting).
+    pub fn read_async<T: Element>(
+        &self,
+        buf: &Buffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<PendingRead<T>> {
+        crate::backend::check_range("read", "buf", offset, len, buf.len())?;
+        let bytes = len * std::mem::size_of::<T>();
+        let direct = |me: &Self| -> Result<PendingRead<T>> {
+            Ok(PendingRead::ready(me.read(buf, offset, len)?))
+        };
+        if len == 0 {
+            return Ok(PendingRead::ready(Vec::new()));
+        }
+        let d = buf.device("read", "buf")?;
+        let view = d.slice(offset..offset + len);
+        let mut rb = self.lock_readback()?;
+        if rb.block.ptr.is_none() {
+            self.inner
+                .ctx
+                .bind_to_thread()
+                .map_err(cuda_err("binding the context for pinned readback"))?;
+            // SAFETY: a fresh pinned block; only ever read back as bytes the device wrote.
+            let p = unsafe { cudarc::driver::result::malloc_host(DEFAULT_STAGING_BYTES, 0) }
+                .map_err(cuda_err("allocating pinned readback"))?;
+            rb.block.ptr = std::ptr::NonNull::new(p.cast::<u8>());
+            rb.block.capacity = DEFAULT_STAGING_BYTES;
+        }
+        if rb.outstanding == 0 {
+            rb.block.used = 0;
+        }
+        let at = rb.block.used.next_multiple_of(16);
+        let Some(base) = rb.block.ptr else {
+            drop(rb);
+            return direct(self);
+        };
+        if at + bytes > rb.block.capacity {
+            drop(rb);
+            return direct(self);
+        }
+        use cudarc::driver::DevicePtr;
+        let (src, _order) = view.device_ptr(&self.inner.stream);
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context for a read"))?;
+        // SAFETY: `[at, at + bytes)` lies in the pinned block and belongs to this read alone
+        // until it is waited for or dropped (`outstanding`); `src` is `len` elements of a live
+        // buffer of this context.
+        let status = unsafe {
+            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                base.as_ptr().add(at).cast(),
+                src,
+                bytes,
+                self.inner.stream.cu_stream(),
+            )
+        };
+        if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(OpsError::Cuda {
+                context: "queueing a device-to-host read".into(),
+                message: format!("{status:?}"),
+            });
+        }
+        rb.block.used = at + bytes;
+        rb.outstanding += 1;
+        Ok(PendingRead::queued(self.clone(), at, len, rb.epoch))
+    }
+
+    /// The elements of a queued read at byte `at` of the readback block, queued in epoch
+    /// `epoch` (synchronizes first if no synchronize happened since); gives its bytes back.
+    pub(crate) fn take_read<T: Element>(
+        &self,
+        at: usize,
+        len: usize,
+        epoch: u64,
+    ) -> Result<Vec<T>> {
+        let landed = self.lock_readback()?.epoch > epoch;
+        if !landed {
+            self.synchronize()?;
+        }
+        let mut rb = self.lock_readback()?;
+        let Some(base) = rb.block.ptr else {
+            return Err(OpsError::Cuda {
+                context: "reading back".into(),
+                message: "no pinned readback block".into(),
+            });
+        };
+        let mut out = vec![T::default(); len];
+        // SAFETY: the copy into `[at, at + len * size)` completed (a synchronize after it was
+        // queued), and these bytes belong to this read alone until it is given back here.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                base.as_ptr().add(at),
+                out.as_mut_ptr().cast::<u8>(),
+                len * std::mem::size_of::<T>(),
+            );
+        }
+        rb.outstanding = rb.outstanding.saturating_sub(1);
+        Ok(out)
+    }
+
+    /// Give back the bytes of a queued read dropped unread (after its copy has landed).
+    pub(crate) fn release_read(&self, epoch: u64) {
+        let landed = self
+            .lock_readback()
+            .map(|r| r.epoch > epoch)
+            .unwrap_or(false);
+        if (landed || self.synchronize().is_ok())
+            && let Ok(mut rb) = self.lock_readback()
+        {
+            rb.outstanding = rb.outstanding.saturating_sub(1);
+        }
+    }
+
+    fn lock_readback(&self) -> Result<std::sync::MutexGuard<'_, Readback>> {
+        self.inner.readback.lock().map_err(|_| OpsError::Cuda {
+            context: "pinned readback".into(),
+            message: "lock poisoned".into(),
+        })
     }
 
     pub(crate) fn zeros<T: Element>(&self, len: usize) -> Result<Buffer<T>> {
