@@ -114,7 +114,7 @@ impl<'a, T: Element> Borrowed<'a, T> {
         match be {
             Backend::Cpu => {
                 let align = std::mem::align_of::<T>() as u64;
-                if len > 0 && (addr == 0 || addr % align != 0) {
+                if len > 0 && (addr == 0 || !addr.is_multiple_of(align)) {
                     return Err(OpsError::Borrow {
                         problem: format!(
                             "host address {addr:#x} is null or not aligned to {align} bytes ({})",

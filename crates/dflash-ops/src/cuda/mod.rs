@@ -611,7 +611,7 @@ impl CudaBackend {
         use cudarc::driver::sys;
         let refuse = |problem: String| Err(OpsError::Borrow { problem });
         if len > 0 {
-            if addr == 0 || addr % 16 != 0 {
+            if addr == 0 || !addr.is_multiple_of(16) {
                 return refuse(format!(
                     "device address {addr:#x} is null or not aligned to 16 bytes"
                 ));

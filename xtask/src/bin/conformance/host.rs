@@ -60,12 +60,25 @@ fn requests() -> Vec<Request> {
         .collect()
 }
 
-/// Run every request to the end; returns the outputs, accepted proposals, rounds after
-/// warm-up and the counters' growth over them.
+/// What [`drive`] saw.
+struct Drive {
+    /// Each request's output.
+    outputs: Vec<Vec<u32>>,
+    /// Proposals accepted.
+    accepted: u64,
+    /// Rounds after the first.
+    rounds: u64,
+    /// Allocations and synchronizes over those rounds.
+    allocations: u64,
+    synchronizations: u64,
+}
+
+/// Run every request to the end: the outputs, accepted proposals, rounds after warm-up and
+/// the counters' growth over them.
 fn drive<P: dflash_engine::Proposer>(
     engine: &mut Engine<dflash_testkit::ReferenceTarget, P>,
     be: &Backend,
-) -> Result<(Vec<Vec<u32>>, u64, u64, u64, u64)> {
+) -> Result<Drive> {
     let ids: Vec<_> = requests()
         .into_iter()
         .map(|r| engine.submit(r))
@@ -91,13 +104,13 @@ fn drive<P: dflash_engine::Proposer>(
         }
     }
     let (a0, s0) = warm.unwrap_or((be.allocations(), be.synchronizations()));
-    Ok((
+    Ok(Drive {
         outputs,
         accepted,
         rounds,
-        be.allocations() - a0,
-        be.synchronizations() - s0,
-    ))
+        allocations: be.allocations() - a0,
+        synchronizations: be.synchronizations() - s0,
+    })
 }
 
 /// The check for both drafts.
@@ -149,7 +162,13 @@ pub fn check() -> Result<Vec<HostResult>> {
         let addresses_are_hosts = lent.embedding.is_borrowed()
             && lent.embedding.address() == dflash_addr(&host_embedding)
             && head_addr == dflash_addr(&host_head);
-        let (got, accepted, rounds, allocations, synchronizations) = drive(&mut engine, &be)?;
+        let Drive {
+            outputs: got,
+            accepted,
+            rounds,
+            allocations,
+            synchronizations,
+        } = drive(&mut engine, &be)?;
         drop(engine);
         // The same engine with owned parts on an ordinary backend.
         let own_be = Backend::Cuda(CudaBackend::new(0)?);
@@ -159,7 +178,7 @@ pub fn check() -> Result<Vec<HostResult>> {
             fx.parts(&own_be).map_err(|e| anyhow!("parts: {e}"))?,
             &options(backend),
         )?;
-        let (want, ..) = drive(&mut owned_engine, &own_be)?;
+        let want = drive(&mut owned_engine, &own_be)?.outputs;
         let mut plain_target = fx.target().map_err(|e| anyhow!("target: {e}"))?;
         let plain: Vec<Vec<u32>> = requests()
             .iter()
