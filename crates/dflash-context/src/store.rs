@@ -218,6 +218,24 @@ struct WriteMeta {
     kv_scratch: Buffer<f32>,
 }
 
+/// The K/V materialize parameters of a chunk of `cols` columns of one request (the layout is
+/// set per layer).
+fn chunk_params(g: &ContextGeometry, cols: usize) -> MaterializeParams {
+    MaterializeParams {
+        rows: 1,
+        cols,
+        hidden: g.hidden,
+        kv_heads: g.kv_heads,
+        head_dim: g.head_dim,
+        eps: g.eps,
+        theta: g.theta,
+        layout: CacheLayout::Ring {
+            lanes: 1,
+            capacity: 1,
+        },
+    }
+}
+
 /// A slab entry without round staging: cannot happen (only a store with round staging makes
 /// them); refused rather than assumed.
 fn unreachable_slab<T>() -> Result<T> {
@@ -387,19 +405,7 @@ impl ContextStore {
             hidden: g.hidden,
             eps: g.eps,
         })?;
-        let kv = context_kv_materialize::scratch_len(&MaterializeParams {
-            rows: 1,
-            cols,
-            hidden: g.hidden,
-            kv_heads: g.kv_heads,
-            head_dim: g.head_dim,
-            eps: g.eps,
-            theta: g.theta,
-            layout: CacheLayout::Ring {
-                lanes: 1,
-                capacity: 1,
-            },
-        })?;
+        let kv = context_kv_materialize::scratch_len(&chunk_params(g, cols))?;
         Ok((fp, kv))
     }
 
@@ -921,30 +927,13 @@ impl ContextStore {
                 }
                 None => None,
             },
-            kv_scratch: self.f32_scratch(context_kv_materialize::scratch_len(
-                &self.chunk_params(widest),
-            )?)?,
+            kv_scratch: self.f32_scratch(context_kv_materialize::scratch_len(&chunk_params(
+                &self.geometry,
+                widest,
+            ))?)?,
         };
         let res = self.write_chunks(&chunks, &mut meta, w, target);
         self.finish_materialize(h, target, res)
-    }
-
-    /// The K/V materialize parameters of a chunk of `cols` columns (layout set per layer).
-    fn chunk_params(&self, cols: usize) -> MaterializeParams {
-        let g = &self.geometry;
-        MaterializeParams {
-            rows: 1,
-            cols,
-            hidden: g.hidden,
-            kv_heads: g.kv_heads,
-            head_dim: g.head_dim,
-            eps: g.eps,
-            theta: g.theta,
-            layout: CacheLayout::Ring {
-                lanes: 1,
-                capacity: 1,
-            },
-        }
     }
 
     /// Materialize a queue of one slab entry (`n` rows at `start`) through the round staging:
@@ -1064,7 +1053,7 @@ impl ContextStore {
         );
         let mut wrote = false;
         for chunk in chunks {
-            let params = self.chunk_params(chunk.cols);
+            let params = chunk_params(&self.geometry, chunk.cols);
             for (l, pool) in self.pools.iter_mut().enumerate() {
                 let (layout, slots, k, v) = match pool {
                     Pool::Ring { window, k, v } => {

@@ -983,26 +983,9 @@ fn run_mixed(
     rows: &[&MixedRow],
     kind: ProposalKind,
 ) -> Vec<RoundOutcome> {
-    let be = Backend::cpu();
     let logits: Vec<f32> = rows.iter().flat_map(|r| r.logits.iter().copied()).collect();
-    let logits = be.upload(&logits).expect("upload");
-    let vr: Vec<VerifyRow<'_>> = rows
-        .iter()
-        .map(|r| VerifyRow {
-            anchor: r.hist.last().expect("history"),
-            proposals: &r.props,
-            dist: match kind {
-                ProposalKind::OneHot => ProposalDist::OneHot,
-                ProposalKind::Top16 => ProposalDist::Top16(&r.q),
-            },
-            settings: r.s,
-            seed: r.seed,
-            frontier: r.hist.len() - 1,
-            history: &r.hist,
-        })
-        .collect();
-    ws.verify(&be, &vr, TargetLogits::padded(&logits))
-        .expect("verify")
+    let padded = dflash_verify::LogitsLayout::Padded;
+    run_with_logits(ws, rows, kind, padded, false, &logits).expect("verify")
 }
 
 /// Permuting batch rows permutes the outcomes and changes nothing else: each row's outcome is

@@ -406,90 +406,6 @@ pub(crate) fn case_data_from(
     }
 }
 
-#[cfg(any(test, feature = "conformance"))]
-fn case(
-    rows: usize,
-    cols: usize,
-    vocab: usize,
-    top16: bool,
-    seed: u64,
-) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
-    move |be: &Backend| {
-        let d = case_data(rows, cols, vocab, top16, seed);
-        let mut inputs = InputCheck::default();
-        let p = inputs.upload(be, "p", &d.p)?;
-        let proposals = inputs.upload(be, "proposals", &d.proposals)?;
-        let live = inputs.upload(be, "live", &d.live)?;
-        let q = inputs.upload(be, "q", &d.q)?;
-        let ids = inputs.upload(be, "ids", &d.ids)?;
-        let seeds = inputs.upload(be, "seeds", &d.seeds)?;
-        let start_pos = inputs.upload(be, "start_pos", &d.start_pos)?;
-        let mut accepted = be.filled(rows, i32::POISON)?;
-        let mut out_tokens = be.filled(rows * cols, i32::POISON)?;
-        let mut out_len = be.filled(rows, i32::POISON)?;
-        let proposal = if top16 {
-            Proposal::Top16 { q: &q, ids: &ids }
-        } else {
-            Proposal::OneHot
-        };
-        run(
-            be,
-            &p,
-            &proposals,
-            &live,
-            proposal,
-            &seeds,
-            &start_pos,
-            Outputs {
-                accepted: &mut accepted,
-                out_tokens: &mut out_tokens,
-                out_len: &mut out_len,
-            },
-            &Params { rows, cols, vocab },
-        )?;
-        let mut modified = Vec::new();
-        inputs.verify(be, "p", &p, &mut modified)?;
-        inputs.verify(be, "proposals", &proposals, &mut modified)?;
-        inputs.verify(be, "live", &live, &mut modified)?;
-        inputs.verify(be, "q", &q, &mut modified)?;
-        inputs.verify(be, "ids", &ids, &mut modified)?;
-        inputs.verify(be, "seeds", &seeds, &mut modified)?;
-        inputs.verify(be, "start_pos", &start_pos, &mut modified)?;
-        let mut outputs = vec![
-            output(
-                "accepted",
-                Criterion::Exact,
-                &vec![i32::POISON; rows],
-                &be.download(&accepted)?,
-                |_| true,
-            ),
-            output(
-                "out_tokens",
-                Criterion::Exact,
-                &vec![i32::POISON; rows * cols],
-                &be.download(&out_tokens)?,
-                |_| true,
-            ),
-            output(
-                "out_len",
-                Criterion::Exact,
-                &vec![i32::POISON; rows],
-                &be.download(&out_len)?,
-                |_| true,
-            ),
-        ];
-        if rows == 1 {
-            // A single row's A and L are one element each: constant by construction.
-            outputs[0].allow_constant = true;
-            outputs[2].allow_constant = true;
-        }
-        Ok(CaseRun {
-            outputs,
-            modified_inputs: modified,
-        })
-    }
-}
-
 /// The `Live` form of a case's distributions: a column whose `p` is one-hot (the greedy rows)
 /// becomes its id in `greedy` and the poison in `p` (never read); every other live column
 /// keeps its `p` row with `greedy = -1`; dead columns hold the poison in both.
@@ -514,6 +430,18 @@ pub(crate) fn live_distributions(d: &CaseData, cols: usize, vocab: usize) -> (Ve
     (p, greedy)
 }
 
+/// A case of the full form (`run`, every column's `p` row stored).
+#[cfg(any(test, feature = "conformance"))]
+fn case(
+    rows: usize,
+    cols: usize,
+    vocab: usize,
+    top16: bool,
+    seed: u64,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    case_in(rows, cols, vocab, top16, seed, None)
+}
+
 /// A case of the `Live` form ([`Distributions::Live`]): greedy rows carry only their ids and
 /// a poisoned `p` (the kernel must never read it), rows start at kind `first_kind` of
 /// [`case_data`]'s cycle.
@@ -526,12 +454,35 @@ fn live_case(
     seed: u64,
     first_kind: usize,
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    case_in(rows, cols, vocab, top16, seed, Some(first_kind))
+}
+
+/// A case in the full form (`live = None`) or the `Live` form starting at kind `first_kind`.
+#[cfg(any(test, feature = "conformance"))]
+fn case_in(
+    rows: usize,
+    cols: usize,
+    vocab: usize,
+    top16: bool,
+    seed: u64,
+    live_from: Option<usize>,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
-        let d = case_data_from(rows, cols, vocab, top16, seed, first_kind);
-        let (p_live, greedy_ids) = live_distributions(&d, cols, vocab);
+        let d = match live_from {
+            None => case_data(rows, cols, vocab, top16, seed),
+            Some(first) => case_data_from(rows, cols, vocab, top16, seed, first),
+        };
         let mut inputs = InputCheck::default();
-        let p = inputs.upload(be, "p", &p_live)?;
-        let greedy = inputs.upload(be, "greedy", &greedy_ids)?;
+        let (p, greedy) = match live_from {
+            None => (inputs.upload(be, "p", &d.p)?, None),
+            Some(_) => {
+                let (p_live, greedy_ids) = live_distributions(&d, cols, vocab);
+                (
+                    inputs.upload(be, "p", &p_live)?,
+                    Some(inputs.upload(be, "greedy", &greedy_ids)?),
+                )
+            }
+        };
         let proposals = inputs.upload(be, "proposals", &d.proposals)?;
         let live = inputs.upload(be, "live", &d.live)?;
         let q = inputs.upload(be, "q", &d.q)?;
@@ -546,27 +497,33 @@ fn live_case(
         } else {
             Proposal::OneHot
         };
-        run_with(
-            be,
-            Distributions::Live {
-                p: &p,
-                greedy: &greedy,
-            },
-            &proposals,
-            &live,
-            proposal,
-            &seeds,
-            &start_pos,
-            Outputs {
-                accepted: &mut accepted,
-                out_tokens: &mut out_tokens,
-                out_len: &mut out_len,
-            },
-            &Params { rows, cols, vocab },
-        )?;
+        let outs = Outputs {
+            accepted: &mut accepted,
+            out_tokens: &mut out_tokens,
+            out_len: &mut out_len,
+        };
+        let params = Params { rows, cols, vocab };
+        match &greedy {
+            None => run(
+                be, &p, &proposals, &live, proposal, &seeds, &start_pos, outs, &params,
+            )?,
+            Some(g) => run_with(
+                be,
+                Distributions::Live { p: &p, greedy: g },
+                &proposals,
+                &live,
+                proposal,
+                &seeds,
+                &start_pos,
+                outs,
+                &params,
+            )?,
+        }
         let mut modified = Vec::new();
         inputs.verify(be, "p", &p, &mut modified)?;
-        inputs.verify(be, "greedy", &greedy, &mut modified)?;
+        if let Some(g) = &greedy {
+            inputs.verify(be, "greedy", g, &mut modified)?;
+        }
         inputs.verify(be, "proposals", &proposals, &mut modified)?;
         inputs.verify(be, "live", &live, &mut modified)?;
         inputs.verify(be, "q", &q, &mut modified)?;

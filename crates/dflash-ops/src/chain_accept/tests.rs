@@ -23,60 +23,7 @@ struct In {
 
 /// (accepted, out_tokens, out_len) or the error (after checking nothing was written).
 fn run_cpu(x: &In) -> std::result::Result<(Vec<i32>, Vec<i32>, Vec<i32>), OpsError> {
-    let be = Backend::cpu();
-    let up_f = |v: &[f32]| be.upload(v).expect("upload");
-    let up_i = |v: &[i32]| be.upload(v).expect("upload");
-    let p = up_f(&x.p);
-    let d = up_i(&x.proposals);
-    let live = up_i(&x.live);
-    let seeds = up_i(&x.seeds);
-    let sp = up_i(&x.start_pos);
-    let (q, ids) = match &x.top16 {
-        Some((q, ids)) => (up_f(q), up_i(ids)),
-        None => (up_f(&[]), up_i(&[])),
-    };
-    let proposal = if x.top16.is_some() {
-        Proposal::Top16 { q: &q, ids: &ids }
-    } else {
-        Proposal::OneHot
-    };
-    let mut a = be.filled(x.rows, i32::POISON).expect("alloc");
-    let mut t = be.filled(x.rows * x.cols, i32::POISON).expect("alloc");
-    let mut l = be.filled(x.rows, i32::POISON).expect("alloc");
-    let r = run(
-        &be,
-        &p,
-        &d,
-        &live,
-        proposal,
-        &seeds,
-        &sp,
-        Outputs {
-            accepted: &mut a,
-            out_tokens: &mut t,
-            out_len: &mut l,
-        },
-        &Params {
-            rows: x.rows,
-            cols: x.cols,
-            vocab: x.vocab,
-        },
-    );
-    let (a, t, l) = (
-        be.download(&a).expect("dl"),
-        be.download(&t).expect("dl"),
-        be.download(&l).expect("dl"),
-    );
-    match r {
-        Ok(()) => Ok((a, t, l)),
-        Err(e) => {
-            assert!(
-                a.iter().chain(&t).chain(&l).all(|&v| v == i32::POISON),
-                "a refused call wrote an output: {e}"
-            );
-            Err(e)
-        }
-    }
+    run_form(x, None, x.rows)
 }
 
 fn seed_words(s: u64) -> [i32; 2] {

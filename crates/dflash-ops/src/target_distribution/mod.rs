@@ -674,6 +674,57 @@ pub(crate) fn settings_mix() -> Vec<Settings> {
     ]
 }
 
+/// A case's sampling settings uploaded as the seven per-row buffers (checked unchanged after
+/// the run).
+#[cfg(any(test, feature = "conformance"))]
+struct CaseSettings {
+    temperature: Buffer<f32>,
+    top_k: Buffer<i32>,
+    top_p: Buffer<f32>,
+    min_p: Buffer<f32>,
+    rep: Buffer<f32>,
+    freq: Buffer<f32>,
+    pres: Buffer<f32>,
+}
+
+#[cfg(any(test, feature = "conformance"))]
+impl CaseSettings {
+    fn upload(inputs: &mut InputCheck, be: &Backend, s: &[Settings]) -> Result<Self> {
+        let col = |f: fn(&Settings) -> f32| s.iter().map(f).collect::<Vec<f32>>();
+        Ok(CaseSettings {
+            temperature: inputs.upload(be, "temperature", &col(|x| x.temperature))?,
+            top_k: inputs.upload(be, "top_k", &s.iter().map(|x| x.top_k).collect::<Vec<_>>())?,
+            top_p: inputs.upload(be, "top_p", &col(|x| x.top_p))?,
+            min_p: inputs.upload(be, "min_p", &col(|x| x.min_p))?,
+            rep: inputs.upload(be, "repetition_penalty", &col(|x| x.repetition_penalty))?,
+            freq: inputs.upload(be, "frequency_penalty", &col(|x| x.frequency_penalty))?,
+            pres: inputs.upload(be, "presence_penalty", &col(|x| x.presence_penalty))?,
+        })
+    }
+
+    fn sampling(&self) -> Sampling<'_> {
+        Sampling {
+            temperature: &self.temperature,
+            top_k: &self.top_k,
+            top_p: &self.top_p,
+            min_p: &self.min_p,
+            repetition_penalty: &self.rep,
+            frequency_penalty: &self.freq,
+            presence_penalty: &self.pres,
+        }
+    }
+
+    fn verify(&self, inputs: &InputCheck, be: &Backend, modified: &mut Vec<String>) -> Result<()> {
+        inputs.verify(be, "temperature", &self.temperature, modified)?;
+        inputs.verify(be, "top_k", &self.top_k, modified)?;
+        inputs.verify(be, "top_p", &self.top_p, modified)?;
+        inputs.verify(be, "min_p", &self.min_p, modified)?;
+        inputs.verify(be, "repetition_penalty", &self.rep, modified)?;
+        inputs.verify(be, "frequency_penalty", &self.freq, modified)?;
+        inputs.verify(be, "presence_penalty", &self.pres, modified)
+    }
+}
+
 #[cfg(any(test, feature = "conformance"))]
 fn case(
     rows: usize,
@@ -690,41 +741,10 @@ fn case(
         let live = inputs.upload(be, "live", &d.live)?;
         let counts = inputs.upload(be, "counts", &d.counts)?;
         let proposals = inputs.upload(be, "proposals", &d.proposals)?;
-        let s = &d.settings;
-        let temperature = inputs.upload(
-            be,
-            "temperature",
-            &s.iter().map(|x| x.temperature).collect::<Vec<_>>(),
-        )?;
-        let top_k = inputs.upload(be, "top_k", &s.iter().map(|x| x.top_k).collect::<Vec<_>>())?;
-        let top_p = inputs.upload(be, "top_p", &s.iter().map(|x| x.top_p).collect::<Vec<_>>())?;
-        let min_p = inputs.upload(be, "min_p", &s.iter().map(|x| x.min_p).collect::<Vec<_>>())?;
-        let rep = inputs.upload(
-            be,
-            "repetition_penalty",
-            &s.iter().map(|x| x.repetition_penalty).collect::<Vec<_>>(),
-        )?;
-        let freq = inputs.upload(
-            be,
-            "frequency_penalty",
-            &s.iter().map(|x| x.frequency_penalty).collect::<Vec<_>>(),
-        )?;
-        let pres = inputs.upload(
-            be,
-            "presence_penalty",
-            &s.iter().map(|x| x.presence_penalty).collect::<Vec<_>>(),
-        )?;
+        let settings = CaseSettings::upload(&mut inputs, be, &d.settings)?;
         let n = rows * cols * vocab;
         let mut p = be.filled(n, f32::POISON)?;
-        let sampling = Sampling {
-            temperature: &temperature,
-            top_k: &top_k,
-            top_p: &top_p,
-            min_p: &min_p,
-            repetition_penalty: &rep,
-            frequency_penalty: &freq,
-            presence_penalty: &pres,
-        };
+        let sampling = settings.sampling();
         let params = Params {
             rows,
             cols,
@@ -739,13 +759,7 @@ fn case(
         inputs.verify(be, "live", &live, &mut modified)?;
         inputs.verify(be, "counts", &counts, &mut modified)?;
         inputs.verify(be, "proposals", &proposals, &mut modified)?;
-        inputs.verify(be, "temperature", &temperature, &mut modified)?;
-        inputs.verify(be, "top_k", &top_k, &mut modified)?;
-        inputs.verify(be, "top_p", &top_p, &mut modified)?;
-        inputs.verify(be, "min_p", &min_p, &mut modified)?;
-        inputs.verify(be, "repetition_penalty", &rep, &mut modified)?;
-        inputs.verify(be, "frequency_penalty", &freq, &mut modified)?;
-        inputs.verify(be, "presence_penalty", &pres, &mut modified)?;
+        settings.verify(&inputs, be, &mut modified)?;
         Ok(CaseRun {
             outputs: vec![output(
                 "p",
@@ -841,26 +855,11 @@ fn live_case(
         let counts = inputs.upload(be, "counts", &d.counts)?;
         let proposals = inputs.upload(be, "proposals", &d.proposals)?;
         let s = &d.settings;
-        let col = |f: fn(&Settings) -> f32| s.iter().map(f).collect::<Vec<f32>>();
-        let temperature = inputs.upload(be, "temperature", &col(|x| x.temperature))?;
-        let top_k = inputs.upload(be, "top_k", &s.iter().map(|x| x.top_k).collect::<Vec<_>>())?;
-        let top_p = inputs.upload(be, "top_p", &col(|x| x.top_p))?;
-        let min_p = inputs.upload(be, "min_p", &col(|x| x.min_p))?;
-        let rep = inputs.upload(be, "repetition_penalty", &col(|x| x.repetition_penalty))?;
-        let freq = inputs.upload(be, "frequency_penalty", &col(|x| x.frequency_penalty))?;
-        let pres = inputs.upload(be, "presence_penalty", &col(|x| x.presence_penalty))?;
+        let settings = CaseSettings::upload(&mut inputs, be, s)?;
         let n = rows * cols * vocab;
         let mut p = be.filled(n, f32::POISON)?;
         let mut greedy = be.filled(rows * cols, i32::POISON)?;
-        let sampling = Sampling {
-            temperature: &temperature,
-            top_k: &top_k,
-            top_p: &top_p,
-            min_p: &min_p,
-            repetition_penalty: &rep,
-            frequency_penalty: &freq,
-            presence_penalty: &pres,
-        };
+        let sampling = settings.sampling();
         run_with(
             be,
             logits,
@@ -889,13 +888,7 @@ fn live_case(
         inputs.verify(be, "live", &live, &mut modified)?;
         inputs.verify(be, "counts", &counts, &mut modified)?;
         inputs.verify(be, "proposals", &proposals, &mut modified)?;
-        inputs.verify(be, "temperature", &temperature, &mut modified)?;
-        inputs.verify(be, "top_k", &top_k, &mut modified)?;
-        inputs.verify(be, "top_p", &top_p, &mut modified)?;
-        inputs.verify(be, "min_p", &min_p, &mut modified)?;
-        inputs.verify(be, "repetition_penalty", &rep, &mut modified)?;
-        inputs.verify(be, "frequency_penalty", &freq, &mut modified)?;
-        inputs.verify(be, "presence_penalty", &pres, &mut modified)?;
+        settings.verify(&inputs, be, &mut modified)?;
         // The footprint: live columns write `greedy`; live sampled columns write their p row.
         let is_live = |rc: usize| (rc % cols) < d.live[rc / cols] as usize;
         let sampled = |rc: usize| is_live(rc) && s[rc / cols].temperature > 0.0;
