@@ -174,3 +174,152 @@ fn readme_embedding_example_is_the_built_example() {
     assert_eq!(block, dedented, "README block and example differ");
     assert!(block.contains("Borrowed::host(&embedding)"));
 }
+
+/// A target that lends its verify logits as BF16 in the packed layout (only each row's live
+/// columns, row after row), from its own buffer: the reference target's F32 logits rounded to
+/// BF16 and packed after each verify.
+struct Bf16Packed {
+    inner: dflash_testkit::ReferenceTarget,
+    logits: Option<dflash_ops::Buffer<dflash_ops::bf16>>,
+}
+
+impl dflash_engine::Target for Bf16Packed {
+    type Checkpoint = <dflash_testkit::ReferenceTarget as dflash_engine::Target>::Checkpoint;
+    fn info(&self) -> &dflash_engine::TargetInfo {
+        self.inner.info()
+    }
+    fn create(&mut self) -> Result<dflash_engine::SeqHandle, dflash_engine::TargetError> {
+        self.inner.create()
+    }
+    fn prefill(
+        &mut self,
+        be: &Backend,
+        seq: dflash_engine::SeqHandle,
+        tokens: &[u32],
+    ) -> Result<dflash_engine::PrefillOutput, dflash_engine::TargetError> {
+        self.inner.prefill(be, seq, tokens)
+    }
+    fn frontier(&self, seq: dflash_engine::SeqHandle) -> Result<usize, dflash_engine::TargetError> {
+        self.inner.frontier(seq)
+    }
+    fn pending(
+        &self,
+        seq: dflash_engine::SeqHandle,
+    ) -> Result<Option<usize>, dflash_engine::TargetError> {
+        self.inner.pending(seq)
+    }
+    fn verify(
+        &mut self,
+        be: &Backend,
+        batch: &dflash_engine::VerifyBatch<'_>,
+    ) -> Result<(), dflash_engine::TargetError> {
+        self.inner.verify(be, batch)?;
+        let v = self.inner.info().vocab_rows;
+        let dflash_ops::target_distribution::Logits::F32(l) = self.inner.verified()?.logits.values
+        else {
+            unreachable!("the reference target lends F32");
+        };
+        let all = be.read(l, 0, batch.rows.len() * batch.cols * v)?;
+        let mut packed = Vec::new();
+        for (r, row) in batch.rows.iter().enumerate() {
+            let base = r * batch.cols * v;
+            packed.extend(
+                all[base..base + row.tokens.len() * v]
+                    .iter()
+                    .map(|&x| dflash_ops::bf16::from_f32(x)),
+            );
+        }
+        // Poison what the packed columns do not cover, so a read past them shows.
+        let cap = batch.rows.len() * batch.cols * v;
+        packed.resize(cap, dflash_ops::bf16::NAN);
+        self.logits = Some(be.upload(&packed)?);
+        Ok(())
+    }
+    fn verified(&self) -> Result<dflash_engine::VerifyView<'_>, dflash_engine::TargetError> {
+        let logits = self
+            .logits
+            .as_ref()
+            .ok_or(dflash_engine::TargetError::NothingVerified)?;
+        Ok(dflash_engine::VerifyView {
+            logits: dflash_verify::TargetLogits::packed(logits),
+            features: self.inner.verified()?.features,
+        })
+    }
+    fn commit(
+        &mut self,
+        commits: &[dflash_engine::Commit],
+    ) -> Result<(), dflash_engine::TargetError> {
+        self.inner.commit(commits)
+    }
+    fn fork(
+        &mut self,
+        seq: dflash_engine::SeqHandle,
+    ) -> Result<dflash_engine::SeqHandle, dflash_engine::TargetError> {
+        self.inner.fork(seq)
+    }
+    fn checkpoint(
+        &self,
+        seq: dflash_engine::SeqHandle,
+    ) -> Result<Self::Checkpoint, dflash_engine::TargetError> {
+        self.inner.checkpoint(seq)
+    }
+    fn restore(
+        &mut self,
+        seq: dflash_engine::SeqHandle,
+        image: &Self::Checkpoint,
+    ) -> Result<(), dflash_engine::TargetError> {
+        self.inner.restore(seq, image)
+    }
+    fn release(&mut self, seq: dflash_engine::SeqHandle) -> Result<(), dflash_engine::TargetError> {
+        self.inner.release(seq)
+    }
+}
+
+/// The engine reads whatever the target lends: BF16 logits in the packed layout verify like
+/// plain decoding over the same target (which samples from the same BF16 logits), for both
+/// drafts, greedy and sampled.
+#[test]
+fn target_logits_lent_as_bf16_packed_verify_like_plain_decoding() {
+    for backend in [DraftBackend::DFlash, DraftBackend::DFlash2] {
+        let fx = Fixture::write(backend).expect("fixture");
+        let be = Backend::cpu();
+        let target = || Bf16Packed {
+            inner: fx.target().expect("target"),
+            logits: None,
+        };
+        let mut reqs: Vec<Request> = demo_prompts(3, 7)
+            .into_iter()
+            .map(|p| Request::greedy(p, 20))
+            .collect();
+        reqs[2].sampling.temperature = 0.7;
+        reqs[2].seed = 5;
+        let mut engine = Engine::with_draft(
+            target(),
+            fx.draft(&be).expect("draft"),
+            fx.parts(&be).expect("parts"),
+            &options(backend, 7, 3, 256),
+        )
+        .expect("engine");
+        let ids: Vec<_> = reqs
+            .iter()
+            .map(|r| engine.submit(r.clone()).expect("submit"))
+            .collect();
+        let got = run_checked(&mut engine, 0);
+        let mut plain_target = target();
+        for (i, id) in ids.iter().enumerate() {
+            if reqs[i].sampling.temperature > 0.0 {
+                // A sampled request's output is a draw: the statistical tests check those.
+                continue;
+            }
+            let want = dflash_engine::plain_decode(&mut plain_target, &be, &reqs[i])
+                .expect("plain")
+                .tokens;
+            assert_eq!(
+                got.outputs.get(id).cloned().unwrap_or_default(),
+                want,
+                "{backend:?} {i}"
+            );
+        }
+        assert!(got.finished.len() == reqs.len(), "every request finished");
+    }
+}

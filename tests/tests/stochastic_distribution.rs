@@ -25,11 +25,11 @@ use dflash_cli::{Fixture, demo_prompts};
 use dflash_config::Backend as DraftBackend;
 use dflash_e2e::{Strategy, draft_engine, misreporting_draft_engine, shadow_engine};
 use dflash_engine::{
-    Commit, Engine, Event, Proposer, Request, SamplingSettings, Target, VerifyBatch, VerifyOutputs,
-    VerifyRow, plain_decode,
+    Commit, Engine, Event, Proposer, Request, SamplingSettings, Target, VerifyBatch, VerifyRow,
+    plain_decode,
 };
 use dflash_ops::Backend;
-use dflash_ops::target_distribution::{self, SamplingBuffers};
+use dflash_ops::target_distribution::{self, Logits, SamplingBuffers};
 use dflash_testkit::ReferenceTarget;
 
 /// Samples per variant.
@@ -111,7 +111,6 @@ fn exact(su: &Setup, target: &mut ReferenceTarget) -> HashMap<Vec<u32>, f64> {
     );
     let mut out = HashMap::new();
     let mut stack = vec![(seq, Vec::<u32>::new(), 1.0f64, first)];
-    let mut outputs = VerifyOutputs::alloc(&be, target.info(), 1, 1).expect("outputs");
     while let Some((s, prefix, prob, p)) = stack.pop() {
         for (t, &pt) in p.iter().enumerate() {
             if pt <= 0.0 {
@@ -133,16 +132,15 @@ fn exact(su: &Setup, target: &mut ReferenceTarget) -> HashMap<Vec<u32>, f64> {
                         rows: &[VerifyRow::chain(f, &input)],
                         cols: 1,
                     },
-                    &mut outputs,
                 )
                 .expect("verify");
             target.commit(&[Commit::prefix(f, 1)]).expect("commit");
-            let next = processed(
-                su,
-                &be,
-                &be.download(&outputs.logits).expect("logits"),
-                public,
-            );
+            let vocab = target.info().vocab_rows;
+            let view = target.verified().expect("verified");
+            let Logits::F32(l) = view.logits.values else {
+                panic!("F32 logits");
+            };
+            let next = processed(su, &be, &be.read(l, 0, vocab).expect("logits"), public);
             stack.push((f, seqv, pr, next));
         }
         target.release(s).expect("release");

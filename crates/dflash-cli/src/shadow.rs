@@ -9,8 +9,9 @@ use std::collections::HashMap;
 
 use dflash_engine::{
     Commit, Coverage, EngineError, MemoryPlan, Proposal, ProposalKind, ProposeRow, Proposer,
-    RetainedQ, SeqHandle, Target, TargetInfo, VerifyBatch, VerifyOutputs, VerifyRow,
+    RetainedQ, SeqHandle, Target, TargetInfo, VerifyBatch, VerifyRow,
 };
+use dflash_ops::target_distribution::Logits;
 use dflash_ops::{Backend, Buffer, bf16};
 use dflash_testkit::ReferenceTarget;
 use dflash_testkit::fixtures::SplitMix64;
@@ -63,7 +64,6 @@ pub struct ShadowProposer {
     seed: u64,
     slots: HashMap<u64, Slot>,
     next: u64,
-    out: VerifyOutputs,
 }
 
 impl std::fmt::Debug for ShadowProposer {
@@ -98,7 +98,6 @@ impl ShadowProposer {
         seed: u64,
     ) -> Result<Self, EngineError> {
         let be = Backend::cpu();
-        let out = VerifyOutputs::alloc(&be, shadow.info(), 1, 1)?;
         Ok(ShadowProposer {
             shadow,
             be,
@@ -108,7 +107,6 @@ impl ShadowProposer {
             seed,
             slots: HashMap::new(),
             next: 1,
-            out,
         })
     }
 
@@ -149,10 +147,14 @@ impl ShadowProposer {
                 rows: &[VerifyRow::chain(seq, &input)],
                 cols: 1,
             },
-            &mut self.out,
         )?;
         self.shadow.commit(&[Commit::prefix(seq, 1)])?;
-        Ok(self.be.download(&self.out.logits)?)
+        // Column 0 of the verify (padded and packed alike), widened to f32.
+        let v = self.shadow.info().vocab_rows;
+        Ok(match self.shadow.verified()?.logits.values {
+            Logits::F32(b) => self.be.read(b, 0, v)?,
+            Logits::Bf16(b) => self.be.read(b, 0, v)?.iter().map(|x| x.to_f32()).collect(),
+        })
     }
 
     /// The proposer's own random stream for proposal `i` of a row: keyed by the proposer

@@ -14,7 +14,7 @@ use dflash_verify::TokenHistory;
 use crate::error::Result;
 use crate::request::{FinishReason, Request, preview};
 use crate::sampling::Sampler;
-use crate::target::{Commit, Target, VerifyBatch, VerifyOutputs, VerifyRow};
+use crate::target::{Commit, Target, VerifyBatch, VerifyRow};
 
 /// The result of a plain decode.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,7 +40,6 @@ pub fn plain_decode<T: Target>(
         "target max_positions",
     )?;
     let mut sampler = Sampler::new(be, info.vocab_rows, info.public_vocab)?;
-    let mut out = VerifyOutputs::alloc(be, &info, 1, 1)?;
     let (seq, pre) = target.create_with_prompt(be, &request.prompt)?;
     let mut run = || -> Result<Generation> {
         let mut history = TokenHistory::with_tokens(info.vocab_rows, &request.prompt)?;
@@ -48,7 +47,7 @@ pub fn plain_decode<T: Target>(
         let mut tokens = Vec::new();
         let mut next = sampler.sample(
             be,
-            &pre.last_logits,
+            (&pre.last_logits).into(),
             &history,
             &request.sampling,
             request.seed,
@@ -69,13 +68,12 @@ pub fn plain_decode<T: Target>(
                     rows: &[VerifyRow::chain(seq, &input)],
                     cols: 1,
                 },
-                &mut out,
             )?;
             target.commit(&[Commit::prefix(seq, 1)])?;
             pos += 1;
             next = sampler.sample(
                 be,
-                &out.logits,
+                target.verified()?.logits.values,
                 &history,
                 &request.sampling,
                 request.seed,

@@ -16,7 +16,7 @@ use crate::proposer::{Coverage, ProposeRow, Proposer};
 use crate::request::{CancelHandle, FinishReason, Request, RequestId, preview};
 use crate::sampling::Sampler;
 use crate::target::{
-    Commit, SeqHandle, Target, TargetCheckpoint, TargetInfo, VerifyBatch, VerifyOutputs, VerifyRow,
+    Commit, SeqHandle, Target, TargetCheckpoint, TargetInfo, VerifyBatch, VerifyRow,
 };
 
 /// Something a frontend sees, in publication order.
@@ -201,9 +201,6 @@ pub struct Engine<T: Target, P: Proposer> {
     b: usize,
     kind: ProposalKind,
     limit: usize,
-    /// The target verify outputs, planned once for B rows (a round of n rows uses the
-    /// first n).
-    outputs: VerifyOutputs,
     verify: VerifyWorkspace,
     sampler: Sampler,
     active: Vec<Active<P::Slot>>,
@@ -230,16 +227,10 @@ impl<T: Target, P: Proposer> std::fmt::Debug for Engine<T, P> {
 
 /// The engine's own device allocations for a target, K, B and proposal kind.
 fn engine_plan(info: &TargetInfo, k: usize, b: usize, kind: ProposalKind) -> MemoryPlan {
-    let (v, fw, w) = (
-        info.vocab_rows as u64,
-        info.feature_width() as u64,
-        k as u64 + 1,
-    );
-    let bb = b as u64;
+    let w = k as u64 + 1;
     let mut plan = MemoryPlan::default();
-    // One output set for B rows: a round of n live rows uses its first n rows.
-    plan.push("target verify logits", bb * w * v * 4);
-    plan.push("target verify features", bb * w * fw * 2);
+    // The target's verify outputs are the target's own memory (lent through
+    // `Target::verified`), not the engine's.
     plan.push(
         "verify workspace",
         VerifyWorkspace::bytes(&VerifyShape {
@@ -375,7 +366,6 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         // the largest is the first history-count upload of B rows (B * vocab i32), the
         // rest (draft and verify metadata, materialize metadata) is a few KiB.
         be.reserve_staging(4 * b * info.vocab_rows + (256 << 10))?;
-        let outputs = VerifyOutputs::alloc(&be, &info, b, w)?;
         let verify = VerifyWorkspace::new(
             &be,
             VerifyShape {
@@ -399,7 +389,6 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             k,
             b,
             kind,
-            outputs,
             verify,
             sampler,
             active: Vec::new(),
@@ -684,7 +673,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             let history = TokenHistory::with_tokens(vocab, &request.prompt)?;
             let anchor = self.sampler.sample(
                 &self.be,
-                &out.last_logits,
+                (&out.last_logits).into(),
                 &history,
                 &request.sampling,
                 request.seed,
@@ -853,14 +842,12 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 .zip(&inputs)
                 .map(|(&s, t)| VerifyRow::chain(s, t))
                 .collect();
-            let out = &mut self.outputs;
             self.target.verify(
                 &self.be,
                 &VerifyBatch {
                     rows: &vrows,
                     cols: w,
                 },
-                out,
             )?;
         }
         // 5. Acceptance and correction / bonus.
@@ -883,13 +870,15 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                     history: &a.history,
                 })
                 .collect();
-            self.verify
-                .verify(
-                    &self.be,
-                    &vrows,
-                    dflash_verify::TargetLogits::padded(&self.outputs.logits),
-                )
+            // The target's own logits, read in place.
+            self.target
+                .verified()
                 .map_err(EngineError::from)
+                .and_then(|view| {
+                    self.verify
+                        .verify(&self.be, &vrows, view.logits)
+                        .map_err(EngineError::from)
+                })
         };
         let outcomes = match outcomes {
             Ok(o) if o.len() == n => o,
@@ -942,9 +931,16 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             let published = o.outputs()[..nn].to_vec();
             let mut failed = false;
             if nn > 0 {
-                let pushed =
-                    self.proposer
-                        .push_verified(a.slot, f, &self.outputs.features, i * w, nn);
+                // The target's features of this verify, read in place (still lent after the
+                // commit, until its next verify).
+                let pushed = self
+                    .target
+                    .verified()
+                    .map_err(EngineError::from)
+                    .and_then(|view| {
+                        self.proposer
+                            .push_verified(a.slot, f, view.features, i * w, nn)
+                    });
                 let hist = a.history.extend(&published);
                 if let Err(e) = pushed.and(hist.map_err(EngineError::from)) {
                     failed = true;

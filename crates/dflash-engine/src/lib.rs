@@ -81,7 +81,7 @@ pub use request::{CancelHandle, FinishReason, Request, RequestId, StopConditions
 pub use sampling::{Sampler, inverse_cdf};
 pub use target::{
     Accepted, Commit, PrefillOutput, SeqHandle, Target, TargetCheckpoint, TargetError, TargetInfo,
-    VerifyBatch, VerifyOutputs, VerifyRow,
+    VerifyBatch, VerifyOutputs, VerifyRow, VerifyView,
 };
 
 pub use dflash_verify::{ProposalKind, RetainedQ, SamplingSettings};

@@ -62,7 +62,7 @@ impl Sampler {
     pub fn sample(
         &mut self,
         be: &Backend,
-        logits: &Buffer<f32>,
+        logits: dflash_verify::Logits<'_>,
         history: &TokenHistory,
         settings: &SamplingSettings,
         seed: u64,
@@ -94,14 +94,16 @@ impl Sampler {
         )?;
         be.write(&mut st.frequency_penalty, 0, &[settings.frequency_penalty])?;
         be.write(&mut st.presence_penalty, 0, &[settings.presence_penalty])?;
-        target_distribution::run(
+        // One column: column 0 of the logits, padded or packed alike.
+        target_distribution::run_with(
             be,
             logits,
+            target_distribution::Columns::Padded,
             &self.live,
             &self.counts,
             &self.proposals,
             &self.settings.view(),
-            &mut self.p,
+            target_distribution::Outputs::Full(&mut self.p),
             &target_distribution::Params {
                 rows: 1,
                 cols: 1,
@@ -160,7 +162,7 @@ mod tests {
             .expect("upload");
         let h = TokenHistory::with_tokens(6, &[0, 1]).expect("history");
         let t = s
-            .sample(&be, &logits, &h, &SamplingSettings::GREEDY, 7, 2)
+            .sample(&be, (&logits).into(), &h, &SamplingSettings::GREEDY, 7, 2)
             .expect("sample");
         assert_eq!(t, 1, "ties go to the lowest id, padding rows never win");
         // A repetition penalty on token 1 (seen in the history) moves the argmax to 3.
@@ -168,7 +170,9 @@ mod tests {
             repetition_penalty: 2.0,
             ..SamplingSettings::GREEDY
         };
-        let t = s.sample(&be, &logits, &h, &pen, 7, 2).expect("sample");
+        let t = s
+            .sample(&be, (&logits).into(), &h, &pen, 7, 2)
+            .expect("sample");
         assert_eq!(t, 3);
     }
 }

@@ -44,6 +44,7 @@
 //! every sequence exactly as it was.
 
 use dflash_ops::{Backend, Buffer, OpsError, bf16};
+use dflash_verify::TargetLogits;
 
 /// An opaque sequence handle issued by a [`Target`].
 ///
@@ -137,7 +138,20 @@ pub struct VerifyBatch<'a> {
     pub cols: usize,
 }
 
-/// Caller-owned outputs of [`Target::verify`], on the caller's backend.
+/// What the last [`Target::verify`] produced ([`Target::verified`]), lent by the target: the
+/// engine reads the target's own memory in place, until the target's next verify.
+#[derive(Clone, Copy, Debug)]
+pub struct VerifyView<'a> {
+    /// The batch's logits: F32 or BF16, padded `[rows, cols, vocab_rows]` (dead columns are
+    /// never read) or packed (only each row's `Q` live columns, row after row).
+    pub logits: TargetLogits<'a>,
+    /// Captured features BF16, padded: row `r`, column `i` at `(r * cols + i) * feature_width`
+    /// (at least `rows * cols` columns).
+    pub features: &'a Buffer<bf16>,
+}
+
+/// Verify outputs a target may keep for itself ([`VerifyOutputs::fit`]) and lend through
+/// [`Target::verified`] ([`VerifyOutputs::view`]): F32 padded logits and features.
 #[derive(Debug)]
 pub struct VerifyOutputs {
     /// Per-column logits, F32 `[rows, cols, vocab_rows]`.
@@ -158,6 +172,38 @@ impl VerifyOutputs {
             logits: be.zeros(rows * cols * info.vocab_rows)?,
             features: be.zeros(rows * cols * info.feature_width())?,
         })
+    }
+
+    /// Columns these outputs hold.
+    pub fn columns(&self, info: &TargetInfo) -> usize {
+        self.logits.len() / info.vocab_rows.max(1)
+    }
+
+    /// Make `slot` hold outputs on `be` for at least `rows x cols` columns: kept when they
+    /// already do (so a target that sees its largest batch first allocates once), replaced
+    /// otherwise.
+    pub fn fit<'s>(
+        slot: &'s mut Option<VerifyOutputs>,
+        be: &Backend,
+        info: &TargetInfo,
+        rows: usize,
+        cols: usize,
+    ) -> Result<&'s mut VerifyOutputs, TargetError> {
+        let fits = slot.as_ref().is_some_and(|o| {
+            o.logits.backend_name() == be.name() && o.columns(info) >= rows * cols
+        });
+        if !fits {
+            *slot = Some(VerifyOutputs::alloc(be, info, rows, cols)?);
+        }
+        slot.as_mut().ok_or(TargetError::NothingVerified)
+    }
+
+    /// The view [`Target::verified`] lends: padded F32 logits and the features.
+    pub fn view(&self) -> VerifyView<'_> {
+        VerifyView {
+            logits: TargetLogits::padded(&self.logits),
+            features: &self.features,
+        }
     }
 }
 
@@ -246,16 +292,15 @@ pub trait Target {
     fn pending(&self, seq: SeqHandle) -> Result<Option<usize>, TargetError>;
 
     /// Verify a batch: compute every row's live columns causally on top of its committed state,
-    /// write logits and features into the first `rows * batch.cols` columns of `out`
-    /// (`[rows, batch.cols, ..]`, dead columns zero; `out` is planned once for the engine's B
-    /// rows and may be longer: what lies past the batch is not touched), and retain
-    /// per-column records until [`Target::commit`]. No committed state changes.
-    fn verify(
-        &mut self,
-        be: &Backend,
-        batch: &VerifyBatch<'_>,
-        out: &mut VerifyOutputs,
-    ) -> Result<(), TargetError>;
+    /// keep their logits and captured features on `be` in the target's own memory (lent
+    /// through [`Target::verified`]), and retain per-column records until
+    /// [`Target::commit`]. No committed state changes.
+    fn verify(&mut self, be: &Backend, batch: &VerifyBatch<'_>) -> Result<(), TargetError>;
+
+    /// The outputs of the last successful [`Target::verify`], lent in place (no copy); valid
+    /// until the next verify (a commit or release does not change them).
+    /// [`TargetError::NothingVerified`] before the first.
+    fn verified(&self) -> Result<VerifyView<'_>, TargetError>;
 
     /// Adopt columns of each named sequence's pending verify (distinct sequences), folding the
     /// retained records; all commits are validated before any is applied.
@@ -419,6 +464,9 @@ pub enum TargetError {
         /// The capacity.
         max_positions: usize,
     },
+    /// [`Target::verified`] before any verify.
+    #[error("no verify has run yet: there are no verify outputs to lend")]
+    NothingVerified,
     /// An output buffer is too short for the batch.
     #[error("output `{tensor}` must have at least {expected} elements, found {found}")]
     OutputShape {

@@ -11,8 +11,9 @@
 
 use std::collections::HashMap;
 
-use dflash_engine::{Target, VerifyBatch, VerifyOutputs, VerifyRow};
+use dflash_engine::{Target, VerifyBatch, VerifyRow};
 use dflash_ops::Backend;
+use dflash_ops::target_distribution::Logits;
 use dflash_testkit::fixtures::write_reference_target;
 use dflash_testkit::{LayerKind, ReferenceTarget, TargetGeometry};
 
@@ -274,7 +275,6 @@ fn reference_target_matches_an_independent_f64_oracle() {
     let be = Backend::cpu();
     // Prefill the first 6, verify the remaining 5 as one chain.
     let (seq, pre) = t.create_with_prompt(&be, &toks[..6]).expect("prefill");
-    let mut out = VerifyOutputs::alloc(&be, t.info(), 1, 5).expect("alloc");
     let rows = [VerifyRow::chain(seq, &toks[6..])];
     t.verify(
         &be,
@@ -282,12 +282,15 @@ fn reference_target_matches_an_independent_f64_oracle() {
             rows: &rows,
             cols: 5,
         },
-        &mut out,
     )
     .expect("verify");
+    let view = t.verified().expect("verified");
     let mut feats = be.download(&pre.features).expect("download");
-    feats.extend(be.download(&out.features).expect("download"));
-    let vlog = be.download(&out.logits).expect("download");
+    feats.extend(be.download(view.features).expect("download"));
+    let Logits::F32(l) = view.logits.values else {
+        panic!("F32 logits");
+    };
+    let vlog = be.download(l).expect("download");
     let plog = be.download(&pre.last_logits).expect("download");
     let (h, vr, layers) = (g.hidden, g.vocab_rows, g.layers());
     let mut worst_feat = 0.0f64;

@@ -7,12 +7,13 @@
 use std::path::PathBuf;
 
 use dflash_engine::{
-    Accepted, Commit, SeqHandle, Target, TargetCheckpoint, TargetError, VerifyBatch, VerifyOutputs,
-    VerifyRow,
+    Accepted, Commit, SeqHandle, Target, TargetCheckpoint, TargetError, VerifyBatch, VerifyRow,
 };
+use dflash_ops::target_distribution::Logits;
 use dflash_ops::{Backend, bf16};
 use dflash_testkit::fixtures::{SplitMix64, write_reference_target};
 use dflash_testkit::{LayerKind, ReferenceTarget, TargetGeometry, TestkitError};
+use dflash_verify::LogitsLayout;
 
 const CAPTURE: &[usize] = &[1, 3, 6];
 
@@ -39,7 +40,6 @@ fn tokens(rng: &mut SplitMix64, n: usize, below: u64) -> Vec<u32> {
 /// One chain verify of one row; returns (logits [Q, V], features [Q, FW]) as host vectors.
 fn verify1(t: &mut ReferenceTarget, seq: SeqHandle, toks: &[u32]) -> (Vec<f32>, Vec<bf16>) {
     let be = Backend::cpu();
-    let mut out = VerifyOutputs::alloc(&be, t.info(), 1, toks.len()).expect("alloc");
     let rows = [VerifyRow::chain(seq, toks)];
     t.verify(
         &be,
@@ -47,12 +47,22 @@ fn verify1(t: &mut ReferenceTarget, seq: SeqHandle, toks: &[u32]) -> (Vec<f32>, 
             rows: &rows,
             cols: toks.len(),
         },
-        &mut out,
     )
     .expect("verify");
+    lent(t, &be, toks.len())
+}
+
+/// The first `cols` columns of the target's lent verify outputs, as host vectors.
+fn lent(t: &ReferenceTarget, be: &Backend, cols: usize) -> (Vec<f32>, Vec<bf16>) {
+    let (v, fw) = (t.info().vocab_rows, t.info().feature_width());
+    let view = t.verified().expect("verified");
+    let Logits::F32(l) = view.logits.values else {
+        panic!("the reference target lends F32 logits");
+    };
+    assert_eq!(view.logits.layout, LogitsLayout::Padded);
     (
-        be.download(&out.logits).expect("download"),
-        be.download(&out.features).expect("download"),
+        be.read(l, 0, cols * v).expect("read"),
+        be.read(view.features, 0, cols * fw).expect("read"),
     )
 }
 
@@ -361,14 +371,24 @@ fn batch_rows_are_independent_and_dead_columns_zero() {
     let b2 = t.fork(b).expect("fork");
     let (ta, tb) = ([11u32, 12], [21u32, 22, 23, 24]);
     let cols = 6;
-    let mut out = VerifyOutputs::alloc(&be, t.info(), 2, cols).expect("alloc");
-    be.fill(&mut out.logits, f32::NAN).expect("poison");
-    be.fill(&mut out.features, bf16::NAN).expect("poison");
+    // A larger batch first, so the outputs the two-row batch reuses hold stale values.
+    let c = t.fork(a).expect("fork");
+    let d = t.fork(b).expect("fork");
+    let wide = [VerifyRow::chain(c, &[5; 8]), VerifyRow::chain(d, &[6; 8])];
+    t.verify(
+        &be,
+        &VerifyBatch {
+            rows: &wide,
+            cols: 8,
+        },
+    )
+    .expect("verify");
+    t.commit(&[Commit::prefix(c, 0), Commit::prefix(d, 0)])
+        .expect("release records");
     let rows = [VerifyRow::chain(b, &tb), VerifyRow::chain(a, &ta)];
-    t.verify(&be, &VerifyBatch { rows: &rows, cols }, &mut out)
+    t.verify(&be, &VerifyBatch { rows: &rows, cols })
         .expect("verify");
-    let l = be.download(&out.logits).expect("download");
-    let f = be.download(&out.features).expect("download");
+    let (l, f) = lent(&t, &be, 2 * cols);
     let (la, fa) = verify1(&mut t, a2, &ta);
     let (lb, fb) = verify1(&mut t, b2, &tb);
     let (vr, fw) = (t.info().vocab_rows, t.info().feature_width());
@@ -406,9 +426,9 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
     };
     let ghost = SeqHandle::from_raw(999_999);
     let info = t.info().clone();
-    let mut out = VerifyOutputs::alloc(&be, &info, 2, 4).expect("alloc");
-    let run = |t: &mut ReferenceTarget, rows: &[VerifyRow<'_>], cols, out: &mut VerifyOutputs| {
-        t.verify(&be, &VerifyBatch { rows, cols }, out)
+    assert!(matches!(t.verified(), Err(TargetError::NothingVerified)));
+    let run = |t: &mut ReferenceTarget, rows: &[VerifyRow<'_>], cols| {
+        t.verify(&be, &VerifyBatch { rows, cols })
     };
 
     // Commit without a verify.
@@ -441,22 +461,17 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
         run(
             &mut t,
             &[VerifyRow::chain(idle, &[1]), VerifyRow::chain(ghost, &[1])],
-            4,
-            &mut out
+            4
         ),
         Err(TargetError::UnknownSequence { .. })
     ));
     // Bad batches.
-    assert!(matches!(
-        run(&mut t, &[], 4, &mut out),
-        Err(TargetError::EmptyBatch)
-    ));
+    assert!(matches!(run(&mut t, &[], 4), Err(TargetError::EmptyBatch)));
     assert!(matches!(
         run(
             &mut t,
             &[VerifyRow::chain(idle, &[1]), VerifyRow::chain(s, &[])],
-            4,
-            &mut out
+            4
         ),
         Err(TargetError::EmptyRow { row: 1 })
     ));
@@ -464,8 +479,7 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
         run(
             &mut t,
             &[VerifyRow::chain(idle, &[1]), VerifyRow::chain(s, &[1, 512])],
-            4,
-            &mut out
+            4
         ),
         Err(TargetError::TokenOutOfRange {
             row: 1,
@@ -478,8 +492,7 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
         run(
             &mut t,
             &[VerifyRow::chain(idle, &[1]), VerifyRow::chain(idle, &[2])],
-            4,
-            &mut out
+            4
         ),
         Err(TargetError::DuplicateSequence { .. })
     ));
@@ -490,8 +503,7 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
                 VerifyRow::chain(idle, &[1]),
                 VerifyRow::chain(s, &[1, 2, 3, 4, 5])
             ],
-            4,
-            &mut out
+            4
         ),
         Err(TargetError::WidthTooSmall {
             row: 1,
@@ -511,8 +523,7 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
                 },
                 VerifyRow::chain(idle, &[1])
             ],
-            4,
-            &mut out
+            4
         ),
         Err(TargetError::TreeUnsupported { row: 0 })
     ));
@@ -528,8 +539,7 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
                 },
                 VerifyRow::chain(idle, &[1])
             ],
-            4,
-            &mut out
+            4
         ),
         Err(TargetError::BadParents { row: 0, .. })
     ));
@@ -545,24 +555,14 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
                 },
                 VerifyRow::chain(idle, &[1])
             ],
-            4,
-            &mut out
+            4
         ),
         Err(TargetError::BadParents { row: 0, .. })
     ));
-    let mut small = VerifyOutputs::alloc(&be, &info, 1, 4).expect("alloc");
-    assert!(matches!(
-        run(
-            &mut t,
-            &[VerifyRow::chain(s, &[1]), VerifyRow::chain(idle, &[1])],
-            4,
-            &mut small
-        ),
-        Err(TargetError::OutputShape {
-            tensor: "logits",
-            ..
-        })
-    ));
+    assert!(
+        matches!(t.verified(), Err(TargetError::NothingVerified)),
+        "refused verifies lend nothing"
+    );
     let long = vec![1u32; info.max_positions];
     assert!(matches!(
         t.prefill(&be, s, &long),
@@ -591,11 +591,10 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
         tokens: &[7, 8, 9, 10],
         parents: Some(&parents_chain),
     }];
-    let mut out1 = VerifyOutputs::alloc(&be, &info, 1, 4).expect("alloc");
-    run(&mut t, &rows, 4, &mut out1).expect("chain written with explicit parents");
+    run(&mut t, &rows, 4).expect("chain written with explicit parents");
     let pending = |t: &ReferenceTarget| t.pending(s).expect("pending");
     assert!(matches!(
-        run(&mut t, &[VerifyRow::chain(s, &[1])], 4, &mut out1),
+        run(&mut t, &[VerifyRow::chain(s, &[1])], 4),
         Err(TargetError::VerifyPending { columns: 4, .. })
     ));
     assert!(matches!(t.fork(s), Err(TargetError::VerifyPending { .. })));

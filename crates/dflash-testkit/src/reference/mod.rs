@@ -44,9 +44,9 @@ use std::path::Path;
 
 use dflash_engine::{
     Accepted, Commit, PrefillOutput, SeqHandle, Target, TargetCheckpoint, TargetError, TargetInfo,
-    VerifyBatch, VerifyOutputs,
+    VerifyBatch, VerifyOutputs, VerifyView,
 };
-use dflash_ops::{Backend, Buffer, Element, bf16};
+use dflash_ops::{Backend, bf16};
 
 use crate::error::{Result, TestkitError};
 use crate::geometry::TargetGeometry;
@@ -68,6 +68,8 @@ pub struct ReferenceTarget {
     info: TargetInfo,
     seqs: HashMap<SeqHandle, Seq>,
     next: u64,
+    /// The target's own verify outputs (lent by `verified`), sized by the largest batch.
+    outputs: Option<VerifyOutputs>,
 }
 
 /// A checkpoint image of a [`ReferenceTarget`] sequence: its complete committed state.
@@ -169,29 +171,6 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
     })
 }
 
-fn check_out<T: Element>(
-    be: &Backend,
-    tensor: &'static str,
-    buf: &Buffer<T>,
-    expected: usize,
-) -> std::result::Result<(), TargetError> {
-    if buf.backend_name() != be.name() {
-        return Err(TargetError::WrongBackend {
-            tensor,
-            expected: be.name(),
-            found: buf.backend_name(),
-        });
-    }
-    if buf.len() < expected {
-        return Err(TargetError::OutputShape {
-            tensor,
-            expected,
-            found: buf.len(),
-        });
-    }
-    Ok(())
-}
-
 impl ReferenceTarget {
     /// Load `config.json` and `model.safetensors` from `dir`.
     ///
@@ -253,6 +232,7 @@ impl ReferenceTarget {
             info,
             seqs: HashMap::new(),
             next: 1,
+            outputs: None,
         })
     }
 
@@ -407,7 +387,6 @@ impl Target for ReferenceTarget {
         &mut self,
         be: &Backend,
         batch: &VerifyBatch<'_>,
-        out: &mut VerifyOutputs,
     ) -> std::result::Result<(), TargetError> {
         let rows = batch.rows;
         if rows.is_empty() {
@@ -454,8 +433,6 @@ impl Target for ReferenceTarget {
             self.check_capacity(row.seq, s.state.frontier, q)?;
         }
         let total = rows.len() * cols;
-        check_out(be, "logits", &out.logits, total * v)?;
-        check_out(be, "features", &out.features, total * fw)?;
 
         let mut logits = vec![0.0f32; total * v];
         let mut features = vec![bf16::ZERO; total * fw];
@@ -470,6 +447,7 @@ impl Target for ReferenceTarget {
             features[r * cols * fw..(r * cols + q) * fw].copy_from_slice(&fwd.features);
             records.push(fwd.records);
         }
+        let out = VerifyOutputs::fit(&mut self.outputs, be, &self.info, rows.len(), cols)?;
         be.write(&mut out.logits, 0, &logits)?;
         be.write(&mut out.features, 0, &features)?;
         for (row, rec) in rows.iter().zip(records) {
@@ -478,6 +456,13 @@ impl Target for ReferenceTarget {
             }
         }
         Ok(())
+    }
+
+    fn verified(&self) -> std::result::Result<VerifyView<'_>, TargetError> {
+        self.outputs
+            .as_ref()
+            .map(VerifyOutputs::view)
+            .ok_or(TargetError::NothingVerified)
     }
 
     fn commit(&mut self, commits: &[Commit]) -> std::result::Result<(), TargetError> {
