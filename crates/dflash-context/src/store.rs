@@ -162,15 +162,15 @@ struct RoundStaging {
     cols: usize,
     /// Per lane `[cols, n_ids * H]` BF16.
     slabs: Vec<Buffer<bf16>>,
-    /// Projected vectors `[cols, H]` BF16 (lent to the chunk while it is written).
-    c: Option<Buffer<bf16>>,
-    /// Scratch of the projection and of the K/V materialize (F32; empty on the CPU).
-    fp: Option<Buffer<f32>>,
-    kv: Option<Buffer<f32>>,
+    /// Projected vectors `[cols, H]` BF16.
+    c: Buffer<bf16>,
+    /// Scratch of the projection and of the K/V materialize (F32; unused on the CPU).
+    fp: Buffer<f32>,
+    kv: Buffer<f32>,
     /// One-element metadata: first position, count, lane.
-    start: Option<Buffer<i32>>,
-    count: Option<Buffer<i32>>,
-    lane: Option<Buffer<i32>>,
+    start: Buffer<i32>,
+    count: Buffer<i32>,
+    lane: Buffer<i32>,
     /// The lane's page-table row `[max_pages]` (full layers only).
     table: Option<Buffer<i32>>,
 }
@@ -210,12 +210,11 @@ struct Segment {
     len: usize,
 }
 
-/// The per-call metadata of phase 2 of a materialize: the lane (`[1]`), the lane's
-/// page-table row (full layers) and the K/V scratch.
-struct WriteMeta {
-    lane: Buffer<i32>,
-    table: Option<Buffer<i32>>,
-    kv_scratch: Buffer<f32>,
+/// The per-call metadata of phase 2 of a materialize: the lane (`[1]`) and the lane's
+/// page-table row (full layers).
+struct WriteMeta<'b> {
+    lane: &'b Buffer<i32>,
+    table: Option<&'b Buffer<i32>>,
 }
 
 /// The K/V materialize parameters of a chunk of `cols` columns of one request (the layout is
@@ -247,12 +246,101 @@ fn unreachable_slab<T>() -> Result<T> {
     }))
 }
 
+/// Phase 2 of a materialize: write the store's `pools`, chunk by chunk in position order,
+/// layer by layer. `(wrote anything, result)`.
+#[allow(clippy::too_many_arguments)] // reason: the store's fields phase 2 reads, split from its staging
+fn write_chunks(
+    be: &Backend,
+    g: &ContextGeometry,
+    capacity: &Capacity,
+    pools: &mut [Pool],
+    chunks: &[Chunk<'_>],
+    meta: &WriteMeta<'_>,
+    kv_scratch: &mut Buffer<f32>,
+    w: &MaterializeWeights<'_>,
+    target: usize,
+) -> (bool, Result<()>) {
+    let lanes = capacity.lanes;
+    let (pages, page_size, max_pages) = (
+        capacity.pages,
+        capacity.page_size,
+        capacity.max_pages_per_lane,
+    );
+    let mut wrote = false;
+    for chunk in chunks {
+        let params = chunk_params(g, chunk.cols);
+        for (l, pool) in pools.iter_mut().enumerate() {
+            let (layout, slots, k, v) = match pool {
+                Pool::Ring { window, k, v } => {
+                    // A ring keeps only positions >= target - S; earlier chunks would be
+                    // overwritten before anyone could read them.
+                    if chunk.start + chunk.n + *window <= target {
+                        continue;
+                    }
+                    (
+                        CacheLayout::Ring {
+                            lanes,
+                            capacity: *window,
+                        },
+                        meta.lane,
+                        k,
+                        v,
+                    )
+                }
+                Pool::Paged { k, v } => match meta.table {
+                    Some(t) => (
+                        CacheLayout::Paged {
+                            pages,
+                            page_size,
+                            max_pages,
+                        },
+                        t,
+                        k,
+                        v,
+                    ),
+                    None => continue,
+                },
+            };
+            let p = MaterializeParams { layout, ..params };
+            let lw = &w.layers[l];
+            let res = context_kv_materialize::run_with_scratch(
+                be,
+                chunk.c,
+                lw.w_k,
+                lw.w_v,
+                lw.key_norm,
+                chunk.start_buf,
+                chunk.count_buf,
+                slots,
+                k,
+                v,
+                kv_scratch,
+                &p,
+            );
+            if let Err(e) = res {
+                return (wrote, Err(ContextError::Ops(e)));
+            }
+            wrote = true;
+        }
+    }
+    (wrote, Ok(()))
+}
+
 /// Projected context vectors of one chunk, ready to be written: `n` live columns of the
 /// `cols` columns of `c`.
-struct Chunk {
+struct Chunk<'b> {
     start: usize,
     n: usize,
     cols: usize,
+    c: &'b Buffer<bf16>,
+    start_buf: &'b Buffer<i32>,
+    count_buf: &'b Buffer<i32>,
+}
+
+/// A chunk's buffers made by the general materialize path.
+struct Projected {
+    start: usize,
+    n: usize,
     c: Buffer<bf16>,
     start_buf: Buffer<i32>,
     count_buf: Buffer<i32>,
@@ -385,12 +473,12 @@ impl ContextStore {
             slabs: (0..store.capacity.lanes)
                 .map(|_| be.zeros(round_cols * fw))
                 .collect::<std::result::Result<_, _>>()?,
-            c: Some(be.zeros(round_cols * hidden)?),
-            fp: Some(be.zeros(fp_len)?),
-            kv: Some(be.zeros(kv_len)?),
-            start: Some(be.zeros(1)?),
-            count: Some(be.zeros(1)?),
-            lane: Some(be.zeros(1)?),
+            c: be.zeros(round_cols * hidden)?,
+            fp: be.zeros(fp_len)?,
+            kv: be.zeros(kv_len)?,
+            start: be.zeros(1)?,
+            count: be.zeros(1)?,
+            lane: be.zeros(1)?,
             table,
         });
         Ok(store)
@@ -865,7 +953,7 @@ impl ContextStore {
         }
         let widest = plan.iter().map(|c| c.2).max().unwrap_or(0);
         let mut fp_scratch = self.f32_scratch(widest * hidden)?;
-        let mut chunks = Vec::with_capacity(plan.len());
+        let mut projected = Vec::with_capacity(plan.len());
         for &(e, offset, n) in &plan {
             let entry = &r.pending[e];
             let params = FeatureProjectionParams {
@@ -906,40 +994,61 @@ impl ContextStore {
                 )?;
             }
             let start = entry.start + offset;
-            chunks.push(Chunk {
+            projected.push(Projected {
                 start,
                 n,
-                cols: n,
                 c,
                 start_buf: self.be.upload(&[to_i32(start)])?,
                 count_buf: self.be.upload(&[to_i32(n)])?,
             });
         }
-        let mut meta = WriteMeta {
-            lane: self.be.upload(&[to_i32(h.lane)])?,
-            table: match self.page_table {
-                Some(_) => {
-                    let wdt = self.capacity.max_pages_per_lane;
-                    Some(
-                        self.be
-                            .upload(&self.host_table[h.lane * wdt..(h.lane + 1) * wdt])?,
-                    )
-                }
-                None => None,
-            },
-            kv_scratch: self.f32_scratch(context_kv_materialize::scratch_len(&chunk_params(
-                &self.geometry,
-                widest,
-            ))?)?,
+        let lane = self.be.upload(&[to_i32(h.lane)])?;
+        let table = match self.page_table {
+            Some(_) => {
+                let wdt = self.capacity.max_pages_per_lane;
+                Some(
+                    self.be
+                        .upload(&self.host_table[h.lane * wdt..(h.lane + 1) * wdt])?,
+                )
+            }
+            None => None,
         };
-        let res = self.write_chunks(&chunks, &mut meta, w, target);
+        let mut kv_scratch = self.f32_scratch(context_kv_materialize::scratch_len(
+            &chunk_params(&self.geometry, widest),
+        )?)?;
+        let chunks: Vec<Chunk<'_>> = projected
+            .iter()
+            .map(|p| Chunk {
+                start: p.start,
+                n: p.n,
+                cols: p.n,
+                c: &p.c,
+                start_buf: &p.start_buf,
+                count_buf: &p.count_buf,
+            })
+            .collect();
+        let meta = WriteMeta {
+            lane: &lane,
+            table: table.as_ref(),
+        };
+        let res = write_chunks(
+            &self.be,
+            &self.geometry,
+            &self.capacity,
+            &mut self.pools,
+            &chunks,
+            &meta,
+            &mut kv_scratch,
+            w,
+            target,
+        );
         self.finish_materialize(h, target, res)
     }
 
     /// Materialize a queue of one slab entry (`n` rows at `start`) through the round staging:
     /// the projection runs over the whole slab (its shape fixed at startup; rows past `n`
     /// are projected and never written), the cache writes over `n` columns. Allocates
-    /// nothing; the staging's buffers are back in place on every return. `(wrote, result)`.
+    /// nothing. `(wrote, result)`.
     fn materialize_slab(
         &mut self,
         h: ContextHandle,
@@ -948,167 +1057,70 @@ impl ContextStore {
         n: usize,
         target: usize,
     ) -> (bool, Result<()>) {
-        let g = &self.geometry;
-        let Some(rs) = self.round.as_mut() else {
+        let ContextStore {
+            be,
+            geometry: g,
+            capacity,
+            pools,
+            host_table,
+            round,
+            ..
+        } = self;
+        let Some(rs) = round.as_mut() else {
             return (false, unreachable_slab());
         };
-        let cols = rs.cols;
-        let taken = (
-            rs.c.take(),
-            rs.fp.take(),
-            rs.kv.take(),
-            rs.start.take(),
-            rs.count.take(),
-            rs.lane.take(),
-        );
-        let (Some(mut c), Some(mut fp), Some(kv), Some(start_buf), Some(count_buf), Some(lane)) =
-            taken
-        else {
-            return (false, unreachable_slab());
-        };
-        let params = FeatureProjectionParams {
-            tokens: cols,
-            n_ids: g.n_ids,
-            hidden: g.hidden,
-            eps: g.eps,
-        };
-        let mut table = rs.table.take();
-        let mut chunks = Vec::new();
-        let mut meta = WriteMeta {
-            lane,
-            table: None,
-            kv_scratch: kv,
-        };
-        let mut staged = || -> Result<()> {
-            let Some(rs) = self.round.as_ref() else {
-                return unreachable_slab();
+        let prepared = (|| -> Result<()> {
+            let params = FeatureProjectionParams {
+                tokens: rs.cols,
+                n_ids: g.n_ids,
+                hidden: g.hidden,
+                eps: g.eps,
             };
+            let slab = &rs.slabs[h.lane];
             feature_projection::run_with_scratch(
-                &self.be,
-                &rs.slabs[h.lane],
+                be,
+                slab,
                 w.fc,
                 w.hidden_norm,
-                &mut c,
-                &mut fp,
+                &mut rs.c,
+                &mut rs.fp,
                 &params,
             )?;
+            be.write(&mut rs.start, 0, &[to_i32(start)])?;
+            be.write(&mut rs.count, 0, &[to_i32(n)])?;
+            be.write(&mut rs.lane, 0, &[to_i32(h.lane)])?;
+            if let Some(t) = &mut rs.table {
+                let wdt = capacity.max_pages_per_lane;
+                be.write(t, 0, &host_table[h.lane * wdt..(h.lane + 1) * wdt])?;
+            }
             Ok(())
-        };
-        let mut res = staged();
-        let mut start_buf = start_buf;
-        let mut count_buf = count_buf;
-        if res.is_ok() {
-            res = (|| -> Result<()> {
-                self.be.write(&mut start_buf, 0, &[to_i32(start)])?;
-                self.be.write(&mut count_buf, 0, &[to_i32(n)])?;
-                self.be.write(&mut meta.lane, 0, &[to_i32(h.lane)])?;
-                if let Some(t) = &mut table {
-                    let wdt = self.capacity.max_pages_per_lane;
-                    self.be
-                        .write(t, 0, &self.host_table[h.lane * wdt..(h.lane + 1) * wdt])?;
-                }
-                Ok(())
-            })();
+        })();
+        if let Err(e) = prepared {
+            return (false, Err(e));
         }
-        meta.table = table;
-        chunks.push(Chunk {
+        let chunk = Chunk {
             start,
             n,
-            cols,
-            c,
-            start_buf,
-            count_buf,
-        });
-        let out = match res {
-            Ok(()) => self.write_chunks(&chunks, &mut meta, w, target),
-            Err(e) => (false, Err(e)),
+            cols: rs.cols,
+            c: &rs.c,
+            start_buf: &rs.start,
+            count_buf: &rs.count,
         };
-        // Everything goes back to the staging.
-        if let (Some(rs), Some(chunk)) = (self.round.as_mut(), chunks.pop()) {
-            rs.c = Some(chunk.c);
-            rs.start = Some(chunk.start_buf);
-            rs.count = Some(chunk.count_buf);
-            rs.fp = Some(fp);
-            rs.kv = Some(meta.kv_scratch);
-            rs.lane = Some(meta.lane);
-            rs.table = meta.table;
-        }
-        out
-    }
-
-    /// Phase 2 of a materialize: write the caches, chunk by chunk in position order, layer
-    /// by layer. `(wrote anything, result)`.
-    fn write_chunks(
-        &mut self,
-        chunks: &[Chunk],
-        meta: &mut WriteMeta,
-        w: &MaterializeWeights<'_>,
-        target: usize,
-    ) -> (bool, Result<()>) {
-        let lanes = self.capacity.lanes;
-        let (pages, page_size, max_pages) = (
-            self.capacity.pages,
-            self.capacity.page_size,
-            self.capacity.max_pages_per_lane,
-        );
-        let mut wrote = false;
-        for chunk in chunks {
-            let params = chunk_params(&self.geometry, chunk.cols);
-            for (l, pool) in self.pools.iter_mut().enumerate() {
-                let (layout, slots, k, v) = match pool {
-                    Pool::Ring { window, k, v } => {
-                        // A ring keeps only positions >= target - S; earlier chunks would be
-                        // overwritten before anyone could read them.
-                        if chunk.start + chunk.n + *window <= target {
-                            continue;
-                        }
-                        (
-                            CacheLayout::Ring {
-                                lanes,
-                                capacity: *window,
-                            },
-                            &meta.lane,
-                            k,
-                            v,
-                        )
-                    }
-                    Pool::Paged { k, v } => match &meta.table {
-                        Some(t) => (
-                            CacheLayout::Paged {
-                                pages,
-                                page_size,
-                                max_pages,
-                            },
-                            t,
-                            k,
-                            v,
-                        ),
-                        None => continue,
-                    },
-                };
-                let p = MaterializeParams { layout, ..params };
-                let lw = &w.layers[l];
-                let res = context_kv_materialize::run_with_scratch(
-                    &self.be,
-                    &chunk.c,
-                    lw.w_k,
-                    lw.w_v,
-                    lw.key_norm,
-                    &chunk.start_buf,
-                    &chunk.count_buf,
-                    slots,
-                    k,
-                    v,
-                    &mut meta.kv_scratch,
-                    &p,
-                );
-                if let Err(e) = res {
-                    return (wrote, Err(ContextError::Ops(e)));
-                }
-                wrote = true;
-            }
-        }
-        (wrote, Ok(()))
+        let meta = WriteMeta {
+            lane: &rs.lane,
+            table: rs.table.as_ref(),
+        };
+        write_chunks(
+            be,
+            g,
+            capacity,
+            pools,
+            &[chunk],
+            &meta,
+            &mut rs.kv,
+            w,
+            target,
+        )
     }
 
     /// Advance the request to `target` on success; on a failure after a cache write, poison

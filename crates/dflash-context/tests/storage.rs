@@ -915,3 +915,83 @@ fn thousands_of_admit_release_cycles_leak_nothing() {
         "free lane row is empty"
     );
 }
+
+/// A store with round staging materializes a round's pushes (at most `round_cols` rows, an
+/// empty queue) through its slab and fixed-shape scratch: every live byte equals the oracle
+/// and the plain store's, for rings and pages, rounds of 1 to `round_cols` rows, a push longer
+/// than the slab (the general path) and two pushes before one materialize; after the first
+/// round nothing is allocated. `round_cols` outside `1..=chunk_cols` is refused.
+#[test]
+fn round_staging_materializes_like_the_plain_store_and_allocates_nothing() {
+    for full in [true, false] {
+        let (plain, w) = tiny_store(full, 2048);
+        let (rows, kv) = stream(&plain, &w, 11, 34);
+        let be = plain.backend().clone();
+        let g = plain.geometry().clone();
+        let fw = g.feature_width();
+        let mut staged =
+            ContextStore::with_round_staging(be.clone(), g.clone(), tiny_capacity(2048), 5)
+                .expect("store");
+        let mut plain = plain;
+        let (hs, hp) = (
+            staged.admit(40).expect("admit"),
+            plain.admit(40).expect("admit"),
+        );
+        // Prefill 3, then rounds of 5, 1, 4, 2 rows, one of 8 (past the slab), two pushes
+        // (2 + 3) before one materialize, then 5 and 1.
+        let schedule: [&[usize]; 9] = [&[3], &[5], &[1], &[4], &[2], &[8], &[2, 3], &[5], &[1]];
+        let mut at = 0;
+        let mut after_first = None;
+        for (round, pushes) in schedule.iter().enumerate() {
+            for &n in *pushes {
+                let buf = be.upload(&rows[at * fw..(at + n) * fw]).expect("up");
+                let before = be.allocations();
+                staged.push_pending(hs, at, &buf, n).expect("push staged");
+                if n <= 5 && staged.pending(hs).expect("pending") == n {
+                    assert_eq!(be.allocations(), before, "a slab push allocates nothing");
+                }
+                plain.push_pending(hp, at, &buf, n).expect("push plain");
+                at += n;
+            }
+            let before = be.allocations();
+            staged
+                .materialize(hs, &w.view())
+                .expect("materialize staged");
+            if round >= 1 && pushes.len() == 1 && pushes[0] <= 5 {
+                assert_eq!(be.allocations(), before, "round {round} allocated");
+                after_first.get_or_insert(round);
+            }
+            plain.materialize(hp, &w.view()).expect("materialize plain");
+            for l in 0..g.layers.len() {
+                assert_eq!(
+                    staged.read_window(hs, l).expect("staged"),
+                    plain.read_window(hp, l).expect("plain"),
+                    "full={full} round {round} layer {l}"
+                );
+            }
+        }
+        assert_eq!(after_first, Some(1), "the slab path ran");
+        assert_eq!(at, 34);
+        assert_matches(&staged, hs, &kv);
+    }
+    let (s, _) = tiny_store(true, 4);
+    for bad in [0, 5] {
+        let e = ContextStore::with_round_staging(
+            s.backend().clone(),
+            s.geometry().clone(),
+            tiny_capacity(4),
+            bad,
+        )
+        .expect_err("round_cols");
+        assert!(
+            matches!(
+                e,
+                ContextError::InvalidGeometry {
+                    field: "round_cols",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}
