@@ -553,24 +553,11 @@ impl CudaBackend {
         // Every copy from the current block completes first (this also resets `used`); the
         // staging lock is not held across it (`synchronize` takes it).
         self.synchronize()?;
-        self.inner
-            .ctx
-            .bind_to_thread()
-            .map_err(cuda_err("binding the context for pinned staging"))?;
         let mut st = self.lock_staging()?;
         if bytes <= st.capacity {
             return Ok(());
         }
-        // SAFETY: a fresh pinned block of `bytes` bytes; only ever written as bytes.
-        let p = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }.map_err(cuda_err(
-            format!("allocating {bytes} bytes of pinned staging"),
-        ))?;
-        let Some(p) = std::ptr::NonNull::new(p.cast::<u8>()) else {
-            return Err(OpsError::Cuda {
-                context: "allocating pinned staging".into(),
-                message: "cuMemHostAlloc returned null".into(),
-            });
-        };
+        let p = self.alloc_pinned(bytes, "staging")?;
         if let Some(old) = st.ptr.replace(p) {
             // SAFETY: the stream was synchronized above and the lock has been held since the
             // block was last read by nothing queued after (writes take the lock), so no
@@ -583,9 +570,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Bytes of pinned staging reserved.
-    pub fn staging_bytes(&self) -> usize {
-        self.lock_staging().map(|s| s.capacity).unwrap_or(0)
+    /// A fresh block of `bytes` bytes of pinned host memory (`what`: its use, for errors),
+    /// freed by the [`Staging`] that takes it.
+    fn alloc_pinned(&self, bytes: usize, what: &str) -> Result<std::ptr::NonNull<u8>> {
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err(format!("binding the context for pinned {what}")))?;
+        // SAFETY: a fresh pinned block, only ever used as bytes.
+        let p = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }.map_err(cuda_err(
+            format!("allocating {bytes} bytes of pinned {what}"),
+        ))?;
+        std::ptr::NonNull::new(p.cast::<u8>()).ok_or_else(|| OpsError::Cuda {
+            context: format!("allocating pinned {what}"),
+            message: "cuMemHostAlloc returned null".into(),
+        })
     }
 
     fn lock_staging(&self) -> Result<std::sync::MutexGuard<'_, Staging>> {
@@ -945,9 +944,12 @@ impl CudaBackend {
     /// Wait for the stream (counted in [`Self::synchronizations`]); every staged write
     /// has then completed, so the staging block is free again.
     pub fn synchronize(&self) -> Result<()> {
-        // Held across the wait, so that no write stages a copy between the wait and the
-        // reset (it would be in flight while its bytes count as free).
+        // Both held across the wait (in this order; nothing takes them the other way), so
+        // that no write stages a copy and no read is queued between the wait and the reset:
+        // such a copy would be in flight while its bytes count as free, such a read would
+        // count as landed.
         let staging = self.inner.staging.lock();
+        let readback = self.inner.readback.lock();
         self.inner
             .stream
             .synchronize()
@@ -959,7 +961,7 @@ impl CudaBackend {
         if let Ok(mut st) = staging {
             st.used = 0;
         }
-        if let Ok(mut rb) = self.inner.readback.lock() {
+        if let Ok(mut rb) = readback {
             rb.epoch += 1;
         }
         Ok(())
@@ -988,14 +990,7 @@ impl CudaBackend {
         let view = d.slice(offset..offset + len);
         let mut rb = self.lock_readback()?;
         if rb.block.ptr.is_none() {
-            self.inner
-                .ctx
-                .bind_to_thread()
-                .map_err(cuda_err("binding the context for pinned readback"))?;
-            // SAFETY: a fresh pinned block; only ever read back as bytes the device wrote.
-            let p = unsafe { cudarc::driver::result::malloc_host(DEFAULT_STAGING_BYTES, 0) }
-                .map_err(cuda_err("allocating pinned readback"))?;
-            rb.block.ptr = std::ptr::NonNull::new(p.cast::<u8>());
+            rb.block.ptr = Some(self.alloc_pinned(DEFAULT_STAGING_BYTES, "readback")?);
             rb.block.capacity = DEFAULT_STAGING_BYTES;
         }
         if rb.outstanding == 0 {
@@ -1097,17 +1092,32 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<T>(len.max(1))
             .map_err(cuda_err(format!("allocating {len} x {}", T::DTYPE)))?;
+        Ok(self.counted(d, len))
+    }
+
+    /// An allocated slice as a buffer of `len` elements, counted in [`Self::allocations`].
+    fn counted<T: Element>(&self, d: cudarc::driver::CudaSlice<T>, len: usize) -> Buffer<T> {
         self.inner
             .counters
             .allocations
             .fetch_add(1, Ordering::Relaxed);
-        Ok(Buffer {
+        Buffer {
             storage: Storage::Device(d, len),
-        })
+        }
     }
 
     pub(crate) fn upload<T: Element>(&self, data: &[T]) -> Result<Buffer<T>> {
-        let mut buf = self.zeros(data.len())?;
+        if data.is_empty() {
+            return self.zeros(0);
+        }
+        // SAFETY: every element is written by the copy below before anything reads it (the
+        // copy is queued on the same stream ahead of any use).
+        let d = unsafe { self.inner.stream.alloc::<T>(data.len()) }.map_err(cuda_err(format!(
+            "allocating {} x {}",
+            data.len(),
+            T::DTYPE
+        )))?;
+        let mut buf = self.counted(d, data.len());
         self.write(&mut buf, 0, data)?;
         Ok(buf)
     }

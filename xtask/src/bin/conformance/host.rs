@@ -160,8 +160,8 @@ pub fn check() -> Result<Vec<HostResult>> {
             DraftHead::Indexed { rows, .. } => rows.address(),
         };
         let addresses_are_hosts = lent.embedding.is_borrowed()
-            && lent.embedding.address() == dflash_addr(&host_embedding)
-            && head_addr == dflash_addr(&host_head);
+            && lent.embedding.address() == host_address(&host_embedding)
+            && head_addr == host_address(&host_head);
         let Drive {
             outputs: got,
             accepted,
@@ -205,7 +205,7 @@ pub fn check() -> Result<Vec<HostResult>> {
     Ok(out)
 }
 
-fn dflash_addr<T>(s: &cudarc::driver::CudaSlice<T>) -> u64 {
+fn host_address<T>(s: &cudarc::driver::CudaSlice<T>) -> u64 {
     use cudarc::driver::DevicePtr;
     s.device_ptr(s.stream()).0
 }
