@@ -76,14 +76,17 @@ impl<T: Element> std::ops::Deref for Borrowed<'_, T> {
 }
 
 impl<'a, T: Element> Borrowed<'a, T> {
-    /// A view of host memory, for the CPU backend.
-    pub fn host(data: &'a [T]) -> Self {
+    /// The view over a borrowed storage.
+    fn over(storage: Storage<T>) -> Self {
         Borrowed {
-            buf: Buffer {
-                storage: Storage::HostBorrowed(data.as_ptr(), data.len()),
-            },
+            buf: Buffer { storage },
             _lent: std::marker::PhantomData,
         }
+    }
+
+    /// A view of host memory, for the CPU backend.
+    pub fn host(data: &'a [T]) -> Self {
+        Self::over(Storage::HostBorrowed(data.as_ptr(), data.len()))
     }
 
     /// A view of `len` elements of `T` at address `addr`: a host address on
@@ -127,23 +130,13 @@ impl<'a, T: Element> Borrowed<'a, T> {
                         problem: format!("{bytes} bytes exceed isize::MAX"),
                     });
                 }
-                Ok(Borrowed {
-                    buf: Buffer {
-                        storage: Storage::HostBorrowed(addr as *const T, len),
-                    },
-                    _lent: std::marker::PhantomData,
-                })
+                Ok(Self::over(Storage::HostBorrowed(addr as *const T, len)))
             }
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => {
                 // SAFETY: forwarded from this function's contract.
                 let slice = unsafe { c.borrow_range::<T>(addr, len, bytes)? };
-                Ok(Borrowed {
-                    buf: Buffer {
-                        storage: Storage::DeviceBorrowed(slice, len),
-                    },
-                    _lent: std::marker::PhantomData,
-                })
+                Ok(Self::over(Storage::DeviceBorrowed(slice, len)))
             }
         }
     }
@@ -255,12 +248,10 @@ impl<T: Element> Buffer<T> {
     /// True when the buffer is a [`Borrowed`] view of the caller's memory.
     pub fn is_borrowed(&self) -> bool {
         match &self.storage {
-            Storage::Host(_) => false,
             Storage::HostBorrowed(..) => true,
             #[cfg(feature = "cuda")]
-            Storage::Device(..) => false,
-            #[cfg(feature = "cuda")]
             Storage::DeviceBorrowed(..) => true,
+            _ => false,
         }
     }
 
