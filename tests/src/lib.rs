@@ -33,6 +33,7 @@ pub fn options(backend: DraftBackend, k: u32, b: u32, max_context: usize) -> Eng
         max_context,
         page_size: 8,
         memory_budget: 1 << 30,
+        eager: false,
     }
 }
 

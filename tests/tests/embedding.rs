@@ -323,3 +323,54 @@ fn target_logits_lent_as_bf16_packed_verify_like_plain_decoding() {
         assert!(got.finished.len() == reqs.len(), "every request finished");
     }
 }
+
+/// A round of n live requests runs the draft block on n rows (not B): on the CPU, which
+/// cannot capture graphs, every round is eager and computes exactly its live rows; the
+/// live-row buckets a CUDA engine captures are the powers of two below B, then B.
+#[test]
+fn a_round_of_n_live_requests_computes_n_draft_rows() {
+    assert_eq!(dflash_engine::live_row_buckets(1), vec![1]);
+    assert_eq!(dflash_engine::live_row_buckets(4), vec![1, 2, 4]);
+    assert_eq!(dflash_engine::live_row_buckets(6), vec![1, 2, 4, 6]);
+    assert_eq!(dflash_engine::live_row_buckets(8), vec![1, 2, 4, 8]);
+    for backend in [DraftBackend::DFlash, DraftBackend::DFlash2] {
+        let fx = Fixture::write(backend).expect("fixture");
+        let be = Backend::cpu();
+        let mut engine = Engine::with_draft(
+            fx.target().expect("target"),
+            fx.draft(&be).expect("draft"),
+            fx.parts(&be).expect("parts"),
+            &options(backend, 7, 4, 256),
+        )
+        .expect("engine");
+        assert!(engine.proposer().graph_profiles().is_empty());
+        assert!(
+            engine
+                .proposer()
+                .eager_reason()
+                .is_some_and(|r| r.contains("CPU")),
+            "{:?}",
+            engine.proposer().eager_reason()
+        );
+        for (i, p) in demo_prompts(4, 7).into_iter().enumerate() {
+            engine
+                .submit(Request::greedy(p, 6 + 9 * i))
+                .expect("submit");
+        }
+        let mut sink = |_: &dflash_engine::Event| {};
+        let mut seen = std::collections::BTreeSet::new();
+        while let Some(step) = engine.step(&mut sink).expect("round") {
+            if step.rows.is_empty() {
+                continue;
+            }
+            seen.insert(step.rows.len());
+            assert_eq!(
+                engine.proposer().last_block_rows(),
+                step.rows.len(),
+                "{backend:?}: the draft block ran on the live rows only"
+            );
+        }
+        assert!(seen.len() >= 3, "{backend:?}: live rows shrank: {seen:?}");
+        assert_eq!(engine.proposer().graph_replays(), 0);
+    }
+}

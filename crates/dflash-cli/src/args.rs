@@ -62,6 +62,9 @@ pub struct Args {
     pub mask_token_id: Option<u32>,
     /// `--strict`: refuse unknown draft config fields.
     pub strict: bool,
+    /// `--eager`: run the draft block op by op instead of replaying its CUDA graph profiles
+    /// (debugging; the CPU always runs eagerly).
+    pub eager: bool,
     /// `-h` / `--help`.
     pub help: bool,
 }
@@ -85,6 +88,7 @@ impl Default for Args {
             draft_config: None,
             mask_token_id: None,
             strict: false,
+            eager: false,
             help: false,
         }
     }
@@ -93,7 +97,7 @@ impl Default for Args {
 /// Usage text.
 pub const USAGE: &str = "usage: dflash [--backend dflash|dflash2] [--k N] [--b N] [--temperature T] \
 [--seed S] [--prompts N] [--prompt TEXT]... [--max-new N] [--device cpu|cuda] [--oracle RHO] \
-[--random-draft] [--quiet] [--geometry] [--draft-config FILE] [--mask-token-id N] [--strict]";
+[--random-draft] [--quiet] [--geometry] [--draft-config FILE] [--mask-token-id N] [--strict] [--eager]";
 
 fn flag_error(flag: &str, expected: impl Into<String>, found: impl Into<String>) -> HarnessError {
     HarnessError::Flag {
@@ -190,6 +194,7 @@ pub fn parse_args(args: &[String]) -> Result<Args> {
             "--quiet" => a.quiet = true,
             "--geometry" => a.geometry = true,
             "--strict" => a.strict = true,
+            "--eager" => a.eager = true,
             "-h" | "--help" => a.help = true,
             other => {
                 return Err(flag_error(

@@ -19,7 +19,8 @@
 //! random weights, to see an untrained draft), `--draft-config FILE` (a draft config.json of
 //! any geometry that fits the target, with random weights), `--mask-token-id N` (for a config
 //! whose mask token is null), `--strict` (refuse unknown config fields; by default they are
-//! printed as warnings), `--quiet` (no per-round trace), `--geometry` (print the bundled
+//! printed as warnings), `--eager` (run the draft block op by op instead of replaying its CUDA
+//! graph profiles; debugging), `--quiet` (no per-round trace), `--geometry` (print the bundled
 //! official configs' geometry instead).
 //!
 //! The summary line keeps its fields (`mean accepted per row-round X`, `tokens per row-round
@@ -289,6 +290,7 @@ the trained draft runs",
         max_context,
         page_size: 16,
         memory_budget: ENGINE_MEMORY_BUDGET,
+        eager: args.eager,
     };
 
     // The engine (its whole memory plan checked) first, then the baseline: plain target

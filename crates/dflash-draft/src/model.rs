@@ -147,15 +147,30 @@ impl DraftModel {
     /// copy; everything [`DraftModel::run_block`] reads per round lives in those buffers, so a
     /// captured CUDA graph of `run_block` replays with new rows).
     ///
-    /// `rows` may hold fewer rows than the workspace; the remaining physical rows repeat the
-    /// last request (computed, never reported). Checks: 1..=workspace rows requests, each
-    /// handle live in `store` with nothing pending and not repeated, anchor below the vocab
-    /// rows, usable count `P <= K`, temperature finite and `>= 0` (the one temperature rule,
-    /// [`dflash_config::check_temperature`]), positions within i32.
+    /// The block then computes exactly these rows: the workspace (planned for its largest
+    /// row count) is resized in place ([`Workspace::physical_rows`]). Checks: 1..=workspace
+    /// rows requests, each handle live in `store` with nothing pending and not repeated,
+    /// anchor below the vocab rows, usable count `P <= K`, temperature finite and `>= 0` (the
+    /// one temperature rule, [`dflash_config::check_temperature`]), positions within i32.
+    /// A refused call stages nothing and leaves the workspace's shape as it was.
     pub fn stage(
         &self,
         store: &ContextStore,
         rows: &[RowRequest],
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        self.stage_padded(store, rows, rows.len(), ws)
+    }
+
+    /// [`DraftModel::stage`] onto `physical` rows (`rows.len() ..= ` the workspace's rows):
+    /// the rows past the requests repeat the last request (computed, never reported). A CUDA
+    /// graph captured for `physical` rows replays any round of at most that many requests
+    /// (a live-row bucket).
+    pub fn stage_padded(
+        &self,
+        store: &ContextStore,
+        rows: &[RowRequest],
+        physical: usize,
         ws: &mut Workspace,
     ) -> Result<()> {
         self.check_store(store)?;
@@ -166,6 +181,13 @@ impl DraftModel {
                 "rows",
                 format!("1..={} (the workspace's rows)", ws.rows),
                 n,
+            ));
+        }
+        if physical < n || physical > ws.rows {
+            return Err(DraftError::invalid(
+                "physical rows",
+                format!("{n}..={} (the requests to the workspace's rows)", ws.rows),
+                physical,
             ));
         }
         let row_err =
@@ -230,8 +252,80 @@ impl DraftModel {
             }
             frontiers.push(f);
         }
+        let placed: Vec<Placed<'_>> = rows
+            .iter()
+            .zip(&frontiers)
+            .map(|(r, &frontier)| {
+                Ok(Placed {
+                    anchor: r.anchor,
+                    lane: r.handle.lane(),
+                    frontier,
+                    usable: r.usable,
+                    seed: r.seed,
+                    temperature: r.temperature,
+                    pages: match ws.page_table {
+                        Some(_) => store.pages(r.handle)?,
+                        None => &[],
+                    },
+                })
+            })
+            .collect::<Result<_>>()?;
+        // Every request is valid: resize the workspace and queue the writes.
+        self.write_rows(store, &placed, physical, ws)?;
+        ws.staged = rows.iter().map(|r| r.usable).collect();
+        Ok(())
+    }
+
+    /// Stage `physical` placeholder rows (lane 0 at frontier 0, so no context is read;
+    /// anchor 0; `P = 0`) so that a CUDA graph of [`DraftModel::run_block`] can be captured
+    /// for that row count before any request exists ([`DraftModel::stage_padded`] then
+    /// rewrites the rows before each replay). Their results mean nothing and are never
+    /// reported: nothing counts as staged afterwards, so [`Workspace::read`] returns no rows.
+    pub fn stage_idle(
+        &self,
+        store: &ContextStore,
+        physical: usize,
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        self.check_store(store)?;
+        ws.check_model(self)?;
+        if physical == 0 || physical > ws.rows {
+            return Err(DraftError::invalid(
+                "physical rows",
+                format!("1..={} (the workspace's rows)", ws.rows),
+                physical,
+            ));
+        }
+        let idle = Placed {
+            anchor: 0,
+            lane: 0,
+            frontier: 0,
+            usable: 0,
+            seed: 0,
+            temperature: 0.0,
+            pages: &[],
+        };
+        self.write_rows(store, &[idle], physical, ws)?;
+        ws.staged.clear();
+        Ok(())
+    }
+
+    /// Resize `ws` to `physical` rows and queue the metadata of `rows` (validated), the last
+    /// repeated onto the remaining physical rows. Clears what was staged.
+    fn write_rows(
+        &self,
+        store: &ContextStore,
+        rows: &[Placed<'_>],
+        physical: usize,
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        let (k, w) = (ws.k, ws.k + 1);
+        let n = rows.len();
         let max_pages = store.capacity().max_pages_per_lane;
-        let mut ids = Vec::with_capacity(ws.rows * w);
+        ws.staged.clear();
+        ws.primed = false;
+        ws.fit_rows(physical)?;
+        let mut ids = Vec::with_capacity(physical * w);
         let (mut lanes, mut fr, mut live, mut anchors, mut seeds, mut temps, mut table) = (
             Vec::new(),
             Vec::new(),
@@ -241,13 +335,12 @@ impl DraftModel {
             Vec::new(),
             Vec::new(),
         );
-        for p in 0..ws.rows {
-            let i = p.min(n - 1);
-            let r = &rows[i];
+        for p in 0..physical {
+            let r = &rows[p.min(n - 1)];
             ids.push(r.anchor as i32);
             ids.extend(std::iter::repeat_n(ws.mask_token as i32, k));
-            lanes.push(r.handle.lane() as i32);
-            fr.push(frontiers[i] as i32);
+            lanes.push(r.lane as i32);
+            fr.push(r.frontier as i32);
             live.push(match self.geometry.backend {
                 DraftBackend::DFlash => (r.usable + 1) as i32,
                 DraftBackend::DFlash2 => w as i32,
@@ -257,8 +350,7 @@ impl DraftModel {
             seeds.push((r.seed >> 32) as u32 as i32);
             temps.push(r.temperature);
             if ws.page_table.is_some() {
-                let pages = store.pages(r.handle)?;
-                let mut row: Vec<i32> = pages.iter().copied().take(max_pages).collect();
+                let mut row: Vec<i32> = r.pages.iter().copied().take(max_pages).collect();
                 row.resize(max_pages, NO_PAGE);
                 table.extend(row);
             }
@@ -274,7 +366,7 @@ impl DraftModel {
         if let Some(t) = &mut ws.page_table {
             be.write(t, 0, &table)?;
         }
-        ws.staged = rows.iter().map(|r| r.usable).collect();
+        ws.primed = true;
         Ok(())
     }
 
@@ -309,7 +401,7 @@ impl DraftModel {
                 ),
             });
         }
-        if ws.staged.is_empty() {
+        if !ws.primed {
             return Err(DraftError::invalid(
                 "workspace",
                 "rows staged by DraftModel::stage",
@@ -317,7 +409,7 @@ impl DraftModel {
             ));
         }
         let be = &self.be;
-        let (rows, k) = (ws.rows, ws.k);
+        let (rows, k) = (ws.physical, ws.k);
         let w = k + 1;
         let tokens = rows * w;
         let (hq, d, inter) = (
@@ -542,7 +634,7 @@ impl DraftModel {
     ) -> Result<()> {
         let g = &self.geometry;
         let be = &self.be;
-        let (rows, w) = (ws.rows, ws.k + 1);
+        let (rows, w) = (ws.physical, ws.k + 1);
         let tokens = rows * w;
         let (hidden, hq, hkv, d) = (
             g.hidden as usize,
@@ -707,6 +799,18 @@ fn mlp(
     Ok(())
 }
 
+/// A validated row as staged: where its context lives and its per-round values.
+struct Placed<'a> {
+    anchor: u32,
+    lane: usize,
+    frontier: usize,
+    usable: usize,
+    seed: u64,
+    temperature: f32,
+    /// The request's page-table row (drafts with full layers; empty otherwise).
+    pages: &'a [i32],
+}
+
 /// One request of a round.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowRequest {
@@ -793,6 +897,22 @@ pub struct SelectorBuffers {
     pub chosen: Buffer<i32>,
 }
 
+/// Widths of the workspace's per-row buffers (elements per token or column).
+#[derive(Clone, Copy, Debug)]
+struct RowLens {
+    hidden: usize,
+    /// DFlash2's branch stream `y` (0 for DFlash).
+    branch: usize,
+    q_width: usize,
+    kv_width: usize,
+    inter: usize,
+    /// DFlash2's finish delta `2 * H / 16` (0 for DFlash).
+    delta: usize,
+    max_pages: usize,
+    rank: usize,
+    eps: f32,
+}
+
 /// Every buffer of one round, allocated once for a (rows, K, head) shape; the forward
 /// allocates nothing. Activations are `[rows, W, ...]` flat (`tokens = rows * W`).
 ///
@@ -813,6 +933,12 @@ pub struct Workspace {
     vocab_rows: usize,
     head: HeadShape,
     staged: Vec<usize>,
+    /// Rows the per-row buffers are sized for now (`<= rows`).
+    physical: usize,
+    /// Whether rows (requests or placeholders) are staged for [`DraftModel::run_block`].
+    primed: bool,
+    /// Per-row widths of the buffers ([`Workspace::fit_rows`]).
+    lens: RowLens,
     /// Block input ids `[rows, W]`.
     pub ids: Buffer<i32>,
     /// Ring lane per row `[rows]`.
@@ -887,8 +1013,10 @@ impl Workspace {
             g.head_dim as usize,
             g.intermediate as usize,
         );
+        // The scratches serve every row count up to `rows` (the ops take "at least" their
+        // length, and the split counts depend on the rows).
         let mut attn_ws = 0usize;
-        for l in 0..g.layers.len() {
+        for (l, rows) in (0..g.layers.len()).flat_map(|l| (1..=rows).map(move |m| (l, m))) {
             let len = match store.layer(l)? {
                 LayerPool::Ring { lanes, window, .. } => sliding_window_attention::workspace_len(
                     &sliding_window_attention::LocalAttentionParams {
@@ -920,19 +1048,24 @@ impl Workspace {
             attn_ws = attn_ws.max(len);
         }
         let cols = rows * k;
-        let head_p = proposal_argmax::Params {
-            n: cols,
-            rows: spec.head.rows,
-            hidden: h,
-            public_vocab: spec.head.public_vocab,
-            head: spec.head.kind,
-        };
         let dflash2 = g.dflash2.is_some();
-        let head_ws = if dflash2 {
-            unary_topk::workspace_len(&head_p)
-        } else {
-            proposal_argmax::workspace_len(&head_p)
-        };
+        let head_ws = (1..=rows)
+            .map(|m| {
+                let head_p = proposal_argmax::Params {
+                    n: m * k,
+                    rows: spec.head.rows,
+                    hidden: h,
+                    public_vocab: spec.head.public_vocab,
+                    head: spec.head.kind,
+                };
+                if dflash2 {
+                    unary_topk::workspace_len(&head_p)
+                } else {
+                    proposal_argmax::workspace_len(&head_p)
+                }
+            })
+            .max()
+            .unwrap_or(0);
         let groups = h / dynamic_grouped_conv::GROUP;
         let selector = match &g.dflash2 {
             Some(p) => Some(SelectorBuffers {
@@ -957,6 +1090,19 @@ impl Workspace {
             vocab_rows,
             head: spec.head,
             staged: Vec::new(),
+            physical: rows,
+            primed: false,
+            lens: RowLens {
+                hidden: h,
+                branch: if dflash2 { h } else { 0 },
+                q_width: hq * d,
+                kv_width: hkv * d,
+                inter,
+                delta: if dflash2 { 2 * groups } else { 0 },
+                max_pages: store.capacity().max_pages_per_lane,
+                rank: g.dflash2.as_ref().map_or(0, |p| p.selector_rank as usize),
+                eps: g.rms_norm_eps as f32,
+            },
             ids: be.zeros(tokens)?,
             lanes: be.zeros(rows)?,
             frontiers: be.zeros(rows)?,
@@ -1020,9 +1166,76 @@ impl Workspace {
         Ok(())
     }
 
-    /// Physical rows.
+    /// Rows the workspace was planned for (the most one round computes).
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// Rows the block computes now: those of the last [`DraftModel::stage`] (or
+    /// [`DraftModel::stage_padded`]); [`Self::rows`] before the first.
+    pub fn physical_rows(&self) -> usize {
+        self.physical
+    }
+
+    /// Resize every per-row buffer to `m` physical rows within its allocation (no
+    /// allocation; addresses stay, so graphs captured at any row count stay valid).
+    fn fit_rows(&mut self, m: usize) -> Result<()> {
+        let (w, k) = (self.k + 1, self.k);
+        let (tokens, cols) = (m * w, m * k);
+        let l = self.lens;
+        for (buf, len) in [
+            (&mut self.x, tokens * l.hidden),
+            (&mut self.n, tokens * l.hidden),
+            (&mut self.o, tokens * l.hidden),
+            (&mut self.y, tokens * l.branch),
+            (&mut self.q, tokens * l.q_width),
+            (&mut self.attn, tokens * l.q_width),
+            (&mut self.k_blk, tokens * l.kv_width),
+            (&mut self.v, tokens * l.kv_width),
+            (&mut self.gate, tokens * l.inter),
+            (&mut self.up, tokens * l.inter),
+            (&mut self.act, tokens * l.inter),
+            (&mut self.finish_delta, tokens * l.delta),
+            (&mut self.mask_raw, cols * l.hidden),
+            (&mut self.mask_hidden, cols * l.hidden),
+        ] {
+            buf.set_len(len)?;
+        }
+        self.q_raw.set_len(tokens * l.q_width)?;
+        self.k_raw.set_len(tokens * l.kv_width)?;
+        for (buf, len) in [
+            (&mut self.ids, tokens),
+            (&mut self.lanes, m),
+            (&mut self.frontiers, m),
+            (&mut self.live, m),
+            (&mut self.anchors, m),
+            (&mut self.seeds, 2 * m),
+            (&mut self.proposals, cols),
+        ] {
+            buf.set_len(len)?;
+        }
+        self.temperature.set_len(m)?;
+        if let Some(t) = &mut self.page_table {
+            t.set_len(m * l.max_pages)?;
+        }
+        if let Some(c) = &mut self.conv_scratch {
+            c.fit(&dynamic_grouped_conv::ConvParams {
+                rows: m,
+                cols: w,
+                hidden: l.hidden,
+                group: dynamic_grouped_conv::GROUP,
+                eps: l.eps,
+            })?;
+        }
+        if let Some(s) = &mut self.selector {
+            s.unary.set_len(cols * TOP_K)?;
+            s.q.set_len(cols * TOP_K)?;
+            s.candidates.set_len(cols * TOP_K)?;
+            s.chosen.set_len(cols)?;
+            s.g.set_len(cols * l.rank)?;
+        }
+        self.physical = m;
+        Ok(())
     }
 
     /// Draft count K.
@@ -1044,12 +1257,14 @@ impl Workspace {
     pub fn read(&self) -> Result<Vec<RowProposal>> {
         let be = &self.be;
         let k = self.k;
-        let props = be.read_async(&self.proposals, 0, self.proposals.len())?;
+        // Only the requests' rows (the padding rows are never reported).
+        let (cols, kk) = (self.staged.len() * k, self.staged.len() * k * TOP_K);
+        let props = be.read_async(&self.proposals, 0, cols)?;
         let selector = match &self.selector {
             Some(s) => Some((
-                be.read_async(&s.candidates, 0, s.candidates.len())?,
-                be.read_async(&s.unary, 0, s.unary.len())?,
-                be.read_async(&s.q, 0, s.q.len())?,
+                be.read_async(&s.candidates, 0, kk)?,
+                be.read_async(&s.unary, 0, kk)?,
+                be.read_async(&s.q, 0, kk)?,
             )),
             None => None,
         };
@@ -1088,7 +1303,7 @@ impl Workspace {
     /// F32 (the BF16 values the head consumes).
     pub fn read_mask_hidden(&self) -> Result<Vec<f32>> {
         let be = &self.be;
-        let per = self.mask_hidden.len() / self.rows;
+        let per = self.mask_hidden.len() / self.physical.max(1);
         let v = be.read(&self.mask_hidden, 0, per * self.staged.len())?;
         Ok(v.into_iter().map(f32::from).collect())
     }

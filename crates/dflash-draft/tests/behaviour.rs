@@ -342,3 +342,65 @@ fn indexed_head_remaps_shortlist_rows_to_global_ids() {
         assert_eq!(Some(t), best);
     }
 }
+
+/// A round of n requests computes n rows on a workspace planned for more (its buffers are
+/// resized in place, no allocation), padded rounds (a graph bucket) report the same
+/// proposals, and the workspace goes back and forth between row counts.
+#[test]
+fn live_rows_compute_only_the_requests_and_match_padded_rounds() {
+    for (spec, seed) in [(TinySpec::dflash(), 70), (TinySpec::dflash2(), 71)] {
+        let f = fixture(spec, seed, "live-rows");
+        let mut store = f.store(4, 64);
+        let hs: Vec<_> = (0..3)
+            .map(|i| f.admit(&mut store, 3 + 2 * i, 400 + i as u64))
+            .collect();
+        let rows: Vec<_> = hs
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| req(h, 1 + i as u32, 3 - i, 0.7 * i as f32, 9 + i as u64))
+            .collect();
+        let mut ws = Workspace::new(&f.model, &store, &f.ws_spec(4, 3)).expect("ws");
+        assert_eq!(ws.physical_rows(), 4);
+        let allocations = f.be.allocations();
+        let mut by_count = Vec::new();
+        for n in [1, 3, 2, 1, 3] {
+            let out = f
+                .model
+                .propose(&store, &rows[..n], &f.parts(), &mut ws)
+                .expect("propose");
+            assert_eq!(ws.physical_rows(), n, "{n} requests compute {n} rows");
+            assert_eq!(out.len(), n);
+            let padded = {
+                f.model
+                    .stage_padded(&store, &rows[..n], 4, &mut ws)
+                    .expect("stage padded");
+                assert_eq!(ws.physical_rows(), 4);
+                f.model.run_block(&store, &f.parts(), &mut ws).expect("run");
+                ws.read().expect("read")
+            };
+            assert_eq!(out, padded, "{n} requests: exact rows vs a bucket of 4");
+            by_count.push((n, out));
+        }
+        assert_eq!(
+            f.be.allocations(),
+            allocations,
+            "resizing allocates nothing"
+        );
+        // Each request's proposal does not depend on how many rows ran beside it.
+        for (n, out) in &by_count {
+            for (r, p) in out.iter().enumerate() {
+                let (_, full) = by_count.iter().find(|(m, _)| *m == 3).expect("3 rows");
+                assert_eq!(p, &full[r], "row {r} of a {n}-row round");
+            }
+        }
+        // Physical rows outside requests..=workspace rows are refused and change nothing.
+        for bad in [1, 5] {
+            assert!(matches!(
+                f.model.stage_padded(&store, &rows[..2], bad, &mut ws),
+                Err(DraftError::Invalid { .. })
+            ));
+            assert_eq!(ws.physical_rows(), 4);
+            assert_eq!(ws.staged_rows(), 3, "the last good stage stays staged");
+        }
+    }
+}

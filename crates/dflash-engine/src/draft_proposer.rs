@@ -10,7 +10,7 @@ use dflash_context::{Capacity, ContextHandle, ContextImage, ContextStore, HostCo
 use dflash_draft::{
     DraftModel, HeadParts, RowRequest, TOP_K, TargetParts, Workspace, WorkspaceSpec,
 };
-use dflash_ops::{Backend, Buffer, Held, bf16, sliding_window_attention, softmax_attention};
+use dflash_ops::{Backend, Buffer, Graph, Held, bf16, sliding_window_attention, softmax_attention};
 use dflash_verify::{ProposalKind, RetainedQ};
 
 use crate::error::{EngineError, Result};
@@ -88,6 +88,40 @@ pub struct DraftProposer<'a> {
     /// `[W, feature_width]`: one request's verify features, copied out of the batch.
     staging: Buffer<bf16>,
     plan: MemoryPlan,
+    /// The draft block's CUDA graph per live-row bucket (empty when eager).
+    profiles: Vec<Profile>,
+    /// Why the block runs eagerly (`None` when graph profiles replay it).
+    eager: Option<String>,
+    /// Rounds replayed from a graph profile.
+    replays: u64,
+}
+
+/// A live-row bucket and the draft block (block forward, head / selector) captured for it.
+#[derive(Debug)]
+struct Profile {
+    rows: usize,
+    graph: Graph,
+}
+
+/// A draft refusal inside a capture, as the backend's error (the capture fails with it).
+fn draft_to_ops(e: dflash_draft::DraftError) -> dflash_ops::OpsError {
+    match e {
+        dflash_draft::DraftError::Ops(e) => e,
+        other => dflash_ops::OpsError::Capture {
+            problem: format!("the draft block refused to run: {other}"),
+        },
+    }
+}
+
+/// The live-row buckets of a batch of `b` rows: the powers of two below `b`, then `b`. A
+/// round of n requests replays the smallest bucket of at least n rows (its padding rows
+/// repeat the last request and are never reported).
+pub fn live_row_buckets(b: usize) -> Vec<usize> {
+    let mut out: Vec<usize> = std::iter::successors(Some(1usize), |m| m.checked_mul(2))
+        .take_while(|&m| m < b)
+        .collect();
+    out.push(b.max(1));
+    out
 }
 
 fn invalid(option: &'static str, expected: impl Into<String>, found: impl ToString) -> EngineError {
@@ -208,7 +242,7 @@ impl<'a> DraftProposer<'a> {
         let ws = Workspace::new(&model, &store, &spec)?;
         let fw = store.geometry().feature_width();
         let staging = be.zeros(startup.block_width as usize * fw)?;
-        Ok(DraftProposer {
+        let mut me = DraftProposer {
             model,
             parts,
             startup,
@@ -216,7 +250,66 @@ impl<'a> DraftProposer<'a> {
             ws,
             staging,
             plan,
-        })
+            profiles: Vec::new(),
+            eager: None,
+            replays: 0,
+        };
+        me.eager = if options.eager {
+            Some("eager mode was asked for (EngineOptions::eager)".into())
+        } else {
+            be.can_capture().err()
+        };
+        if me.eager.is_none() {
+            me.capture_profiles()?;
+        }
+        Ok(me)
+    }
+
+    /// Capture the draft block once per live-row bucket: placeholder rows are staged, the
+    /// block runs once eagerly (loading its kernels and library handles), then is recorded.
+    fn capture_profiles(&mut self) -> Result<()> {
+        let DraftProposer {
+            model,
+            parts,
+            store,
+            ws,
+            profiles,
+            ..
+        } = self;
+        let view = parts.view();
+        for rows in live_row_buckets(ws.rows()) {
+            model.stage_idle(store, rows, ws)?;
+            model.run_block(store, &view, ws)?;
+            let graph = model
+                .backend()
+                .capture(|| model.run_block(store, &view, ws).map_err(draft_to_ops))?;
+            profiles.push(Profile { rows, graph });
+        }
+        // The placeholder rounds' results are never read; let them finish here, at startup.
+        model.backend().synchronize()?;
+        Ok(())
+    }
+
+    /// The live-row buckets the draft block replays from a CUDA graph (empty when eager).
+    pub fn graph_profiles(&self) -> Vec<usize> {
+        self.profiles.iter().map(|p| p.rows).collect()
+    }
+
+    /// Why the draft block runs op by op (`None` when graph profiles replay it): eager mode
+    /// was asked for, or the backend cannot capture (the CPU; event tracking on).
+    pub fn eager_reason(&self) -> Option<&str> {
+        self.eager.as_deref()
+    }
+
+    /// Rows the last draft block computed: the live requests when run eagerly, the
+    /// bucket's rows when replayed from a graph profile.
+    pub fn last_block_rows(&self) -> usize {
+        self.ws.physical_rows()
+    }
+
+    /// Rounds whose draft block was replayed from a graph profile.
+    pub fn graph_replays(&self) -> u64 {
+        self.replays
     }
 
     /// The validated startup.
@@ -298,19 +391,25 @@ fn workspace_bytes(model: &DraftModel, s: &Startup, cap: &Capacity, head_rows: u
         + tokens * hkv * d * 2 // k, v
         + tokens * inter * 3 // gate, up, act
         + cols * h * 2; // mask raw, mask hidden
-    // The fused head keeps per-block partials, never the [cols, head rows] logits.
-    let head_p = dflash_ops::proposal_argmax::Params {
-        n: cols as usize,
-        rows: head_rows,
-        hidden: h as usize,
-        public_vocab: head_rows,
-        head: dflash_ops::proposal_argmax::ProposalHead::Full,
-    };
-    let head_ws = if g.dflash2.is_some() {
-        dflash_ops::unary_topk::workspace_len(&head_p)
-    } else {
-        dflash_ops::proposal_argmax::workspace_len(&head_p)
-    };
+    // The fused head keeps per-block partials, never the [cols, head rows] logits; the
+    // scratches serve every row count up to the rows (live-row rounds).
+    let head_ws = (1..=rows as usize)
+        .map(|m| {
+            let head_p = dflash_ops::proposal_argmax::Params {
+                n: m * k as usize,
+                rows: head_rows,
+                hidden: h as usize,
+                public_vocab: head_rows,
+                head: dflash_ops::proposal_argmax::ProposalHead::Full,
+            };
+            if g.dflash2.is_some() {
+                dflash_ops::unary_topk::workspace_len(&head_p)
+            } else {
+                dflash_ops::proposal_argmax::workspace_len(&head_p)
+            }
+        })
+        .max()
+        .unwrap_or(0);
     let mut f32s = tokens * hq * d + tokens * hkv * d + head_ws as u64;
     let mut i32s = tokens + rows * 6 + cols; // ids, per-row metadata and seeds, proposals
     if g.has_full_pool {
@@ -325,9 +424,13 @@ fn workspace_bytes(model: &DraftModel, s: &Startup, cap: &Capacity, head_rows: u
         i32s += cols * TOP_K as u64 + cols;
     }
     if !model.backend().is_cpu() {
-        let (r, c) = (s.concurrency as usize, s.block_width as usize);
+        let c = s.block_width as usize;
         let mut attn = 0usize;
-        for l in &g.layers {
+        for (l, r) in g
+            .layers
+            .iter()
+            .flat_map(|l| (1..=s.concurrency as usize).map(move |r| (l, r)))
+        {
             let len = match *l {
                 dflash_config::LayerKind::Local { window } => {
                     sliding_window_attention::workspace_len(
@@ -498,10 +601,21 @@ impl Proposer for DraftProposer<'_> {
                 seed: r.seed,
             })
             .collect();
-        let parts = self.parts.view();
-        let out = self
-            .model
-            .propose(&self.store, &reqs, &parts, &mut self.ws)?;
+        let n = reqs.len();
+        let out = match self.profiles.iter().find(|p| p.rows >= n) {
+            Some(p) => {
+                self.model
+                    .stage_padded(&self.store, &reqs, p.rows, &mut self.ws)?;
+                p.graph.launch()?;
+                self.replays += 1;
+                self.ws.read()?
+            }
+            None => {
+                let parts = self.parts.view();
+                self.model
+                    .propose(&self.store, &reqs, &parts, &mut self.ws)?
+            }
+        };
         let top16 = self.model.geometry().dflash2.is_some();
         out.into_iter()
             .map(|p| {

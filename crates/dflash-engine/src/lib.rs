@@ -69,7 +69,7 @@ mod request;
 mod sampling;
 
 pub use baseline::{Generation, plain_decode};
-pub use draft_proposer::{DraftHead, DraftProposer, DraftTargetParts};
+pub use draft_proposer::{DraftHead, DraftProposer, DraftTargetParts, live_row_buckets};
 pub use engine::{
     AdmissionReport, Continuation, Engine, EngineStats, Event, Finished, RequestImage, RowReport,
     StepReport,

@@ -17,6 +17,10 @@ pub struct EngineOptions {
     /// parts, context pools, every round workspace, the target verify outputs). Startup fails
     /// with [`crate::EngineError::InsufficientMemory`] when the plan needs more.
     pub memory_budget: u64,
+    /// Run every round's draft block op by op instead of replaying the CUDA graph profiles
+    /// captured at startup (one per live-row bucket) - for debugging; results are the same.
+    /// Backends that cannot capture (the CPU) always run eagerly.
+    pub eager: bool,
 }
 
 impl EngineOptions {
@@ -28,6 +32,7 @@ impl EngineOptions {
             max_context,
             page_size: 256,
             memory_budget: u64::MAX,
+            eager: false,
         }
     }
 }

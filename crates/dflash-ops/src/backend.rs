@@ -236,6 +236,54 @@ impl<T: Element> Buffer<T> {
         self.len() == 0
     }
 
+    /// Elements the buffer's own allocation holds (`>= len()`; a [`Borrowed`] view: its
+    /// length). [`Self::set_len`] moves the length within it.
+    pub fn capacity(&self) -> usize {
+        match &self.storage {
+            Storage::Host(v) => v.capacity(),
+            Storage::HostBorrowed(_, len) => *len,
+            #[cfg(feature = "cuda")]
+            Storage::Device(d, _) => d.len(),
+            #[cfg(feature = "cuda")]
+            Storage::DeviceBorrowed(_, len) => *len,
+        }
+    }
+
+    /// Make the buffer `len` elements long within its allocation, without allocating or
+    /// moving it (its address stays, so a captured CUDA graph still finds it): how a
+    /// workspace planned for its largest shape runs a smaller one (ops check exact lengths).
+    /// The first `min(old, len)` elements keep their values; elements a growth exposes hold
+    /// unspecified values (zeros on the CPU, what the device memory held on CUDA).
+    ///
+    /// Errors: [`OpsError::Length`] when `len` exceeds [`Self::capacity`];
+    /// [`OpsError::ReadOnly`] for a [`Borrowed`] view (its length is the lender's).
+    pub fn set_len(&mut self, len: usize) -> Result<()> {
+        let cap = self.capacity();
+        if self.is_borrowed() {
+            return Err(OpsError::ReadOnly {
+                op: "set_len",
+                tensor: "buf",
+            });
+        }
+        if len > cap {
+            return Err(OpsError::Length {
+                op: "set_len",
+                tensor: "buf",
+                expected: cap,
+                shape: "at most the buffer's capacity".into(),
+                found: len,
+            });
+        }
+        match &mut self.storage {
+            // Within the capacity: `resize` never reallocates.
+            Storage::Host(v) => v.resize(len, T::default()),
+            #[cfg(feature = "cuda")]
+            Storage::Device(_, l) => *l = len,
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// The name of the backend the buffer lives on (`"cpu"` or `"cuda"`).
     pub fn backend_name(&self) -> &'static str {
         match &self.storage {
@@ -341,6 +389,44 @@ impl<T: Element> Buffer<T> {
                 expected: "cuda",
                 found: "cpu",
             }),
+        }
+    }
+}
+
+/// Device work recorded once by [`Backend::capture`] (a CUDA graph) and replayed on the
+/// backend's stream by [`Graph::launch`]: one launch instead of one per kernel. It reads and
+/// writes the buffers it was captured with, so those must outlive it and keep their
+/// addresses ([`Buffer::set_len`] keeps them).
+pub struct Graph {
+    #[cfg(feature = "cuda")]
+    inner: cudarc::driver::CudaGraph,
+}
+
+// SAFETY: the graph's handles belong to the backend's context, which cudarc binds to the
+// calling thread before each launch; `Graph` is not `Sync`, so launches never race.
+#[cfg(feature = "cuda")]
+unsafe impl Send for Graph {}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Graph")
+    }
+}
+
+impl Graph {
+    /// Queue one replay of the recorded work on the backend's stream (returns at once).
+    pub fn launch(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            self.inner.launch().map_err(|e| OpsError::Cuda {
+                context: "launching a captured graph".into(),
+                message: e.to_string(),
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            // No graph exists without CUDA (`Backend::capture` refuses on the CPU).
+            Ok(())
         }
     }
 }
@@ -630,6 +716,46 @@ impl Backend {
         }
     }
 
+    /// Record the device work `f` queues on this backend (kernels, library calls,
+    /// device-to-device copies) into a [`Graph`] without running it; [`Graph::launch`]
+    /// replays it. The recorded launches keep the addresses and shapes of the capture: what
+    /// changes between replays must live in device buffers the graph reads (metadata
+    /// written with [`Self::write`] before each launch). While `f` runs, calls that cannot
+    /// be recorded (host reads and writes, synchronizes, allocations) fail with
+    /// [`OpsError::Capture`], and so does the capture; run `f`'s work once eagerly first,
+    /// so that kernels and library handles are loaded outside the capture.
+    ///
+    /// Errors: [`OpsError::Capture`] on the CPU (its ops run at once: there is nothing to
+    /// record), when CUDA event tracking is on for the context, or when `f` or the driver
+    /// fails (the stream is left out of capture either way).
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        match self {
+            Backend::Cpu => {
+                let _ = f;
+                Err(OpsError::Capture {
+                    problem: "the CPU backend runs ops at once; there is nothing to record".into(),
+                })
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => Ok(Graph {
+                inner: c.capture(f)?,
+            }),
+        }
+    }
+
+    /// Whether [`Self::capture`] can record on this backend (`Err` says why not).
+    pub fn can_capture(&self) -> std::result::Result<(), String> {
+        match self {
+            Backend::Cpu => Err("the CPU backend runs ops at once".into()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) if c.context().is_event_tracking() => {
+                Err("cudarc event tracking is on for the host's context".into())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => Ok(()),
+        }
+    }
+
     /// Wait until all work queued on this backend has finished (a no-op on the CPU).
     pub fn synchronize(&self) -> Result<()> {
         match self {
@@ -790,5 +916,63 @@ mod tests {
             })
         ));
         drop(be.read_async(&b, 0, 4).expect("dropped unread"));
+    }
+
+    #[test]
+    fn set_len_moves_the_length_within_the_allocation() {
+        let be = Backend::cpu();
+        let mut b = be.upload(&[1i32, 2, 3, 4, 5, 6]).expect("upload");
+        let (addr, cap, made) = (b.address(), b.capacity(), be.allocations());
+        assert!(cap >= 6);
+        b.set_len(2).expect("shrink");
+        assert_eq!(
+            be.download(&b).expect("read"),
+            vec![1, 2],
+            "the prefix keeps its values"
+        );
+        assert!(
+            matches!(be.write(&mut b, 2, &[9]), Err(OpsError::Range { .. })),
+            "ops see the new length"
+        );
+        b.set_len(cap).expect("grow back");
+        assert_eq!(b.len(), cap);
+        assert_eq!(&be.download(&b).expect("read")[..2], &[1, 2]);
+        assert_eq!(
+            (b.address(), be.allocations()),
+            (addr, made),
+            "no move, no allocation"
+        );
+        assert!(matches!(
+            b.set_len(cap + 1),
+            Err(OpsError::Length { op: "set_len", expected, found, .. })
+                if expected == cap && found == cap + 1
+        ));
+        assert_eq!(b.len(), cap, "a refused resize changes nothing");
+        let lent = [1.0f32, 2.0];
+        let mut view = Borrowed::host(&lent);
+        let shared: &Buffer<f32> = &view;
+        assert_eq!(shared.capacity(), 2);
+        // A view's length is the lender's: even a shrink is refused.
+        let buf: &mut Buffer<f32> = &mut view.buf;
+        assert!(matches!(buf.set_len(1), Err(OpsError::ReadOnly { .. })));
+        assert_eq!(buf.len(), 2);
+    }
+
+    #[test]
+    fn cpu_backend_refuses_to_capture_and_runs_nothing() {
+        let be = Backend::cpu();
+        let mut ran = false;
+        assert!(matches!(
+            be.capture(|| {
+                ran = true;
+                Ok(())
+            }),
+            Err(OpsError::Capture { .. })
+        ));
+        assert!(
+            !ran,
+            "nothing is queued on the CPU: the work is not run either"
+        );
+        assert!(be.can_capture().is_err());
     }
 }

@@ -66,6 +66,14 @@ pub enum OpsError {
         /// The argument name.
         tensor: &'static str,
     },
+    /// A CUDA graph capture ([`crate::Backend::capture`]) was refused or failed, or a call
+    /// that cannot be recorded (a host read or write, a synchronize, an allocation) came
+    /// while one was in progress.
+    #[error("graph capture: {problem}")]
+    Capture {
+        /// What was refused and why.
+        problem: String,
+    },
     /// A [`crate::Borrowed`] view of caller memory was refused.
     #[error("borrowing caller memory: {problem}")]
     Borrow {

@@ -38,7 +38,7 @@ pub mod swiglu;
 pub mod target_distribution;
 pub mod unary_topk;
 
-pub use backend::{Backend, Borrowed, Buffer, Held, PendingRead};
+pub use backend::{Backend, Borrowed, Buffer, Graph, Held, PendingRead};
 pub use dtype::{DType, Element, bf16_rne, bf16_rne_f64, f16_rne};
 pub use error::{OpsError, Result, check_len, check_param};
 pub use half::{bf16, f16};

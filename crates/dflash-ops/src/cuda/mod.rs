@@ -97,6 +97,8 @@ struct Inner {
     staging: Mutex<Staging>,
     readback: Mutex<Readback>,
     counters: Counters,
+    /// True while [`CudaBackend::capture`] records the stream.
+    capturing: std::sync::atomic::AtomicBool,
 }
 
 /// What a backend has done that an embedding engine budgets: device allocations and host
@@ -522,6 +524,7 @@ impl CudaBackend {
                 staging: Mutex::new(Staging::default()),
                 readback: Mutex::new(Readback::default()),
                 counters: Counters::default(),
+                capturing: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -944,6 +947,7 @@ impl CudaBackend {
     /// Wait for the stream (counted in [`Self::synchronizations`]); every staged write
     /// has then completed, so the staging block is free again.
     pub fn synchronize(&self) -> Result<()> {
+        self.not_capturing("a synchronize")?;
         // Both held across the wait (in this order; nothing takes them the other way), so
         // that no write stages a copy and no read is queued between the wait and the reset:
         // such a copy would be in flight while its bytes count as free, such a read would
@@ -979,6 +983,7 @@ impl CudaBackend {
         len: usize,
     ) -> Result<PendingRead<T>> {
         crate::backend::check_range("read", "buf", offset, len, buf.len())?;
+        self.not_capturing("a read to the host")?;
         let bytes = len * std::mem::size_of::<T>();
         let direct = |me: &Self| -> Result<PendingRead<T>> {
             Ok(PendingRead::ready(me.read(buf, offset, len)?))
@@ -1079,6 +1084,61 @@ impl CudaBackend {
         }
     }
 
+    /// [`OpsError::Capture`] while a capture records the stream: `what` cannot be recorded.
+    fn not_capturing(&self, what: &str) -> Result<()> {
+        if self.inner.capturing.load(Ordering::Acquire) {
+            return Err(OpsError::Capture {
+                problem: format!(
+                    "{what} cannot be recorded into a graph (stage it before the capture)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Record the device work `f` queues on this backend's stream (kernels, cuBLAS calls,
+    /// device-to-device copies) into an instantiated CUDA graph, without running it; see
+    /// [`crate::Backend::capture`]. Refused when cudarc event tracking is on for the
+    /// context (its event records would be captured too) or a capture is already running.
+    pub(crate) fn capture(
+        &self,
+        f: impl FnOnce() -> Result<()>,
+    ) -> Result<cudarc::driver::CudaGraph> {
+        use cudarc::driver::sys;
+        let refuse = |problem: String| Err(OpsError::Capture { problem });
+        if self.inner.ctx.is_event_tracking() {
+            return refuse(
+                "cudarc event tracking is on for this context (turn it off with \
+                 CudaContext::disable_event_tracking, or run eagerly)"
+                    .into(),
+            );
+        }
+        if self.inner.capturing.swap(true, Ordering::AcqRel) {
+            return refuse("a capture is already recording this backend's stream".into());
+        }
+        let stream = &self.inner.stream;
+        let recorded = stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(cuda_err("beginning a stream capture"))
+            .and_then(|()| {
+                let queued = f();
+                // Always end the capture, so the stream is usable again whatever `f` did.
+                let ended = stream
+                    .end_capture(sys::CUgraphInstantiate_flags(0))
+                    .map_err(cuda_err("ending the stream capture"));
+                queued?;
+                ended?.ok_or_else(|| OpsError::Capture {
+                    problem: "the capture recorded no work".into(),
+                })
+            });
+        self.inner.capturing.store(false, Ordering::Release);
+        let graph = recorded?;
+        graph
+            .upload()
+            .map_err(cuda_err("uploading the captured graph"))?;
+        Ok(graph)
+    }
+
     fn lock_readback(&self) -> Result<std::sync::MutexGuard<'_, Readback>> {
         self.inner.readback.lock().map_err(|_| OpsError::Cuda {
             context: "pinned readback".into(),
@@ -1087,6 +1147,7 @@ impl CudaBackend {
     }
 
     pub(crate) fn zeros<T: Element>(&self, len: usize) -> Result<Buffer<T>> {
+        self.not_capturing("an allocation")?;
         let d = self
             .inner
             .stream
@@ -1110,6 +1171,7 @@ impl CudaBackend {
         if data.is_empty() {
             return self.zeros(0);
         }
+        self.not_capturing("an allocation")?;
         // SAFETY: every element is written by the copy below before anything reads it (the
         // copy is queued on the same stream ahead of any use).
         let d = unsafe { self.inner.stream.alloc::<T>(data.len()) }.map_err(cuda_err(format!(
@@ -1132,6 +1194,7 @@ impl CudaBackend {
         if len == 0 {
             return Ok(Vec::new());
         }
+        self.not_capturing("a read to the host")?;
         let mut out = vec![T::default(); len];
         self.inner
             .stream
@@ -1154,6 +1217,8 @@ impl CudaBackend {
         if data.is_empty() {
             return Ok(());
         }
+        // A captured copy would replay the staged bytes of the capture, not the caller's.
+        self.not_capturing("a write from the host")?;
         use cudarc::driver::DevicePtrMut;
         let bytes: &[u8] = bytemuck::cast_slice(data);
         let d = buf.device_mut("write", "buf")?;

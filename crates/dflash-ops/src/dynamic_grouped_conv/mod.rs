@@ -148,6 +148,29 @@ impl PrepareScratch {
         })
     }
 
+    /// Resize the scratch for `p` within what it was made for (no allocation, same
+    /// addresses; [`Buffer::set_len`]): a scratch made for the largest shape serves smaller
+    /// ones. [`OpsError::Length`] when `p` needs more than it holds (nothing changes then).
+    pub fn fit(&mut self, p: &ConvParams) -> Result<()> {
+        let (split, raw) = Self::lens(p)?;
+        for (buf_cap, need, tensor) in [
+            (self.split.capacity(), split, "scratch.split"),
+            (self.raw.capacity(), raw, "scratch.raw"),
+        ] {
+            if need > buf_cap {
+                return Err(OpsError::Length {
+                    op: OP,
+                    tensor,
+                    expected: buf_cap,
+                    shape: format!("at most the scratch's capacity, for {p:?}"),
+                    found: need,
+                });
+            }
+        }
+        self.split.set_len(split)?;
+        self.raw.set_len(raw)
+    }
+
     /// (split, raw) element counts for `p`.
     fn lens(p: &ConvParams) -> Result<(usize, usize)> {
         let (act, fd, _) = sizes(p)?;

@@ -49,6 +49,7 @@ fn options(backend: DraftBackend) -> EngineOptions {
         max_context: 256,
         page_size: 8,
         memory_budget: 1 << 32,
+        eager: false,
     }
 }
 

@@ -14,6 +14,7 @@ mod graph;
 mod host;
 #[path = "../../report.rs"]
 mod report;
+mod round_graph;
 
 use report::{driver_version, utc_now};
 
@@ -214,6 +215,10 @@ eager runs of the same metadata.\n\n| replay | outputs differing from eager |\n|
     if !host_ok {
         failed += 1;
     }
+    let (round_graph_md, round_graph_ok) = round_graph::section(&round_graph::check());
+    if !round_graph_ok {
+        failed += 1;
+    }
     let command = args.join(" ");
     let mut md = String::new();
     md.push_str("# Conformance report: CUDA vs the CPU reference\n\n");
@@ -261,6 +266,8 @@ Inputs = every input downloaded after the run equals what was uploaded.\n\n");
     md.push_str(&graph_md);
     md.push('\n');
     md.push_str(&host_md);
+    md.push('\n');
+    md.push_str(&round_graph_md);
     for r in rows.iter().filter(|r| r.error.is_some()) {
         md.push_str(&format!(
             "\n- error in {}/{}: {}\n",

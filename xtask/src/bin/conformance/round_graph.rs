@@ -1,0 +1,353 @@
+//! `engine_round_graph`: the engine's draft block replayed from its CUDA graph profiles (one
+//! per live-row bucket, captured at startup) must give exactly the rounds of the same engine
+//! run eagerly (`EngineOptions::eager`): every request's output, and every row-round's
+//! proposals, acceptance and licensed tokens, greedy and sampled, while requests finish and
+//! the live rows shrink through the buckets. Also times the draft's propose (stage, block,
+//! read) replayed and eager, at 1 and B live rows.
+//!
+//! The stand-in target is the CPU reference target of the trained pair.
+
+use std::time::Instant;
+
+use anyhow::{Result, anyhow, ensure};
+use dflash_cli::{Fixture, demo_prompts};
+use dflash_config::{Backend as DraftBackend, StartupOptions};
+use dflash_engine::{
+    DraftProposer, Engine, EngineOptions, Event, ProposeRow, Proposer, Request, RowReport,
+    SamplingSettings, Target,
+};
+use dflash_ops::Backend;
+use dflash_ops::cuda::CudaBackend;
+
+const B: u32 = 4;
+const K: u32 = 7;
+
+fn options(backend: DraftBackend, eager: bool) -> EngineOptions {
+    EngineOptions {
+        startup: StartupOptions {
+            concurrency: B,
+            ..StartupOptions::new(backend, K)
+        },
+        max_context: 256,
+        page_size: 8,
+        memory_budget: 1 << 32,
+        eager,
+    }
+}
+
+fn requests(temperature: f32) -> Vec<Request> {
+    demo_prompts(B as usize, 9)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            sampling: if temperature > 0.0 {
+                SamplingSettings::sampling(temperature)
+            } else {
+                SamplingSettings::GREEDY
+            },
+            seed: 11 + i as u64,
+            ..Request::greedy(p, 12 + 10 * i)
+        })
+        .collect()
+}
+
+/// What one engine run produced.
+#[derive(PartialEq)]
+struct Run {
+    outputs: Vec<Vec<u32>>,
+    /// Per round, per row: (proposed, accepted, licensed, committed).
+    rounds: Vec<Vec<(Vec<u32>, usize, Vec<u32>, usize)>>,
+}
+
+/// Run `requests` to the end; also the wall time of each step (µs) and the live rows of each.
+fn drive<T: Target, P: Proposer>(
+    engine: &mut Engine<T, P>,
+    requests: Vec<Request>,
+) -> Result<(Run, Vec<f64>, Vec<usize>)> {
+    let ids: Vec<_> = requests
+        .into_iter()
+        .map(|r| engine.submit(r))
+        .collect::<std::result::Result<_, _>>()?;
+    let mut outputs = vec![Vec::new(); ids.len()];
+    let (mut rounds, mut times, mut live) = (Vec::new(), Vec::new(), Vec::new());
+    loop {
+        let mut events = Vec::new();
+        let t0 = Instant::now();
+        let step = engine.step(&mut |e: &Event| events.push(e.clone()))?;
+        let us = t0.elapsed().as_secs_f64() * 1e6;
+        for e in events {
+            if let Event::Tokens { id, tokens, .. } = e
+                && let Some(i) = ids.iter().position(|&x| x == id)
+            {
+                outputs[i].extend(tokens);
+            }
+        }
+        let Some(step) = step else { break };
+        if step.rows.is_empty() {
+            continue;
+        }
+        times.push(us);
+        live.push(step.rows.len());
+        rounds.push(
+            step.rows
+                .iter()
+                .map(|r: &RowReport| {
+                    (
+                        r.proposed.clone(),
+                        r.accepted,
+                        r.licensed.clone(),
+                        r.committed,
+                    )
+                })
+                .collect(),
+        );
+    }
+    Ok((Run { outputs, rounds }, times, live))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One (draft, temperature) comparison.
+pub struct Comparison {
+    pub backend: &'static str,
+    pub temperature: f32,
+    /// Requests whose outputs are equal between graph and eager.
+    pub equal_outputs: usize,
+    pub requests: usize,
+    /// Whether every row-round (proposals, acceptance, licensed, committed) is equal.
+    pub equal_rounds: bool,
+    /// Rounds run, and rounds replayed from a graph profile.
+    pub rounds: usize,
+    pub replays: u64,
+    /// The live-row counts seen (distinct, descending).
+    pub live_rows: Vec<usize>,
+    /// The captured buckets, and why the eager engine was eager.
+    pub profiles: Vec<usize>,
+    pub eager_reason: String,
+    /// Proposals accepted (the trained pair drafts for real).
+    pub accepted: usize,
+    /// Median engine step wall time, graph and eager (µs).
+    pub step_graph_us: f64,
+    pub step_eager_us: f64,
+}
+
+/// Median propose time (µs) of one draft at `rows` live rows, graph and eager.
+pub struct ProposeTiming {
+    pub backend: &'static str,
+    pub rows: usize,
+    pub graph_us: f64,
+    pub eager_us: f64,
+    /// The graph and eager proposals were identical in every iteration.
+    pub equal: bool,
+}
+
+pub struct RoundGraphResult {
+    pub comparisons: Vec<Comparison>,
+    pub timings: Vec<ProposeTiming>,
+}
+
+/// The check for both drafts.
+pub fn check() -> Result<RoundGraphResult> {
+    let mut comparisons = Vec::new();
+    let mut timings = Vec::new();
+    for (backend, name) in [
+        (DraftBackend::DFlash, "DFlash"),
+        (DraftBackend::DFlash2, "DFlash2"),
+    ] {
+        let fx = Fixture::write(backend).map_err(|e| anyhow!("fixture: {e}"))?;
+        let be = Backend::Cuda(CudaBackend::new(0)?);
+        let engine = |eager: bool| -> Result<Engine<_, DraftProposer<'static>>> {
+            Ok(Engine::with_draft(
+                fx.target().map_err(|e| anyhow!("target: {e}"))?,
+                fx.draft(&be).map_err(|e| anyhow!("draft: {e}"))?,
+                fx.parts(&be).map_err(|e| anyhow!("parts: {e}"))?,
+                &options(backend, eager),
+            )?)
+        };
+        for temperature in [0.0f32, 0.8] {
+            let mut graph = engine(false)?;
+            let mut eager = engine(true)?;
+            let profiles = graph.proposer().graph_profiles();
+            let eager_reason = eager
+                .proposer()
+                .eager_reason()
+                .unwrap_or("NOT EAGER")
+                .to_string();
+            ensure!(
+                eager.proposer().graph_profiles().is_empty(),
+                "the eager engine captured graphs"
+            );
+            let (g, mut gt, live) = drive(&mut graph, requests(temperature))?;
+            let (e, mut et, _) = drive(&mut eager, requests(temperature))?;
+            let mut distinct = live.clone();
+            distinct.sort_unstable_by(|a, b| b.cmp(a));
+            distinct.dedup();
+            comparisons.push(Comparison {
+                backend: name,
+                temperature,
+                equal_outputs: g
+                    .outputs
+                    .iter()
+                    .zip(&e.outputs)
+                    .filter(|(a, b)| a == b)
+                    .count(),
+                requests: g.outputs.len(),
+                equal_rounds: g.rounds == e.rounds,
+                rounds: g.rounds.len(),
+                replays: graph.proposer().graph_replays(),
+                live_rows: distinct,
+                profiles,
+                eager_reason,
+                accepted: g.rounds.iter().flatten().map(|r| r.1).sum(),
+                step_graph_us: median(&mut gt),
+                step_eager_us: median(&mut et),
+            });
+        }
+        timings.extend(propose_timings(&fx, &be, backend, name)?);
+    }
+    Ok(RoundGraphResult {
+        comparisons,
+        timings,
+    })
+}
+
+/// Time `propose` on standalone proposers (graph and eager) over B materialized requests.
+fn propose_timings(
+    fx: &Fixture,
+    be: &Backend,
+    backend: DraftBackend,
+    name: &'static str,
+) -> Result<Vec<ProposeTiming>> {
+    let mut target = fx.target().map_err(|e| anyhow!("target: {e}"))?;
+    let prompts = demo_prompts(B as usize, 9);
+    let mut proposers = Vec::new();
+    for eager in [false, true] {
+        let mut p = DraftProposer::new(
+            fx.draft(be).map_err(|e| anyhow!("draft: {e}"))?,
+            fx.parts(be).map_err(|e| anyhow!("parts: {e}"))?,
+            &options(backend, eager),
+        )?;
+        let mut slots = Vec::new();
+        for prompt in &prompts {
+            let (_, out) = target.create_with_prompt(be, prompt)?;
+            let slot = p.admit(256)?;
+            p.push_prefill(slot, 0, out.features)?;
+            p.materialize(slot)?;
+            slots.push(slot);
+        }
+        proposers.push((p, slots));
+    }
+    let mut out = Vec::new();
+    for rows in [1usize, B as usize] {
+        let mut times = [Vec::new(), Vec::new()];
+        let mut equal = true;
+        for _ in 0..60 {
+            let mut results = Vec::new();
+            for (i, (p, slots)) in proposers.iter_mut().enumerate() {
+                let reqs: Vec<ProposeRow<'_, _>> = slots[..rows]
+                    .iter()
+                    .zip(&prompts)
+                    .enumerate()
+                    .map(|(r, (&slot, prompt))| ProposeRow {
+                        slot,
+                        anchor: prompt[prompt.len() - 1],
+                        frontier: prompt.len() - 1,
+                        usable: K as usize,
+                        temperature: 0.5 * r as f32,
+                        seed: 3 + r as u64,
+                        history: prompt,
+                    })
+                    .collect();
+                let t0 = Instant::now();
+                results.push(p.propose(&reqs)?);
+                times[i].push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            equal &= results[0] == results[1];
+        }
+        let [mut g, mut e] = times;
+        // The first iterations warm caches; the medians are over all 60 regardless.
+        out.push(ProposeTiming {
+            backend: name,
+            rows,
+            graph_us: median(&mut g),
+            eager_us: median(&mut e),
+            equal,
+        });
+    }
+    Ok(out)
+}
+
+/// The report section and whether it passed.
+pub fn section(results: &Result<RoundGraphResult>) -> (String, bool) {
+    let mut s = format!(
+        "## engine_round_graph\n\nThe engine's draft block (block forward, head, DFlash2 selector) replayed \
+from its CUDA graph profiles (one per live-row bucket, captured at startup) against the same engine run \
+eagerly (`EngineOptions::eager`): {B} requests of different lengths (the live rows shrink through the \
+buckets), K = {K}, B = {B}, the trained pair with the CPU reference target as the stand-in target, greedy and \
+sampled. Every output and every row-round (proposals, accepted count, licensed tokens, committed count) \
+must be equal, and every round must replay a graph.\n\n| draft | T | outputs equal | row-rounds equal | \
+rounds | replayed | live rows seen | profiles | accepted | eager because | step graph (µs) | step eager (µs) | pass |\n\
+|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    match results {
+        Ok(r) => {
+            let mut ok = !r.comparisons.is_empty();
+            for c in &r.comparisons {
+                let pass = c.equal_outputs == c.requests
+                    && c.equal_rounds
+                    && c.replays == c.rounds as u64
+                    && c.rounds > 0
+                    && c.accepted > 0
+                    && c.live_rows.len() > 1
+                    && c.eager_reason != "NOT EAGER";
+                ok &= pass;
+                s.push_str(&format!(
+                    "| {} | {} | {}/{} | {} | {} | {} | {:?} | {:?} | {} | {} | {:.0} | {:.0} | {} |\n",
+                    c.backend,
+                    c.temperature,
+                    c.equal_outputs,
+                    c.requests,
+                    if c.equal_rounds { "yes" } else { "NO" },
+                    c.rounds,
+                    c.replays,
+                    c.live_rows,
+                    c.profiles,
+                    c.accepted,
+                    c.eager_reason,
+                    c.step_graph_us,
+                    c.step_eager_us,
+                    if pass { "pass" } else { "FAIL" }
+                ));
+            }
+            s.push_str(
+                "\nThe draft's propose (stage the rows' metadata, the block, one read of the results) on \
+standalone proposers, median of 60 calls:\n\n| draft | live rows | graph (µs) | eager (µs) | eager / graph | \
+proposals equal | pass |\n|---|---|---|---|---|---|---|\n",
+            );
+            for t in &r.timings {
+                ok &= t.equal;
+                s.push_str(&format!(
+                    "| {} | {} | {:.1} | {:.1} | {:.2} | {} | {} |\n",
+                    t.backend,
+                    t.rows,
+                    t.graph_us,
+                    t.eager_us,
+                    t.eager_us / t.graph_us,
+                    if t.equal { "yes" } else { "NO" },
+                    if t.equal { "pass" } else { "FAIL" }
+                ));
+            }
+            (s, ok)
+        }
+        Err(e) => {
+            s.push_str(&format!("\nFAILED to run: {e:#}\n"));
+            (s, false)
+        }
+    }
+}
