@@ -84,4 +84,4 @@ pub use target::{
     VerifyBatch, VerifyOutputs, VerifyRow, VerifyView,
 };
 
-pub use dflash_verify::{ProposalKind, RetainedQ, SamplingSettings};
+pub use dflash_verify::{LogitsLayout, ProposalKind, RetainedQ, SamplingSettings, TargetLogits};

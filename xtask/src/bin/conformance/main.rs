@@ -12,6 +12,7 @@
 
 mod graph;
 mod host;
+mod replay_target;
 #[path = "../../report.rs"]
 mod report;
 mod round_graph;
