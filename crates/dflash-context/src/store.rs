@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 
 use dflash_ops::context_kv_materialize::{self, CacheLayout, MaterializeParams};
 use dflash_ops::feature_projection::{self, FeatureProjectionParams};
-use dflash_ops::{Backend, Buffer, OpsError, bf16, f16};
+use dflash_ops::{Backend, Buffer, Graph, OpsError, bf16, f16};
 
 use crate::image::ImageShape;
 use crate::{
@@ -160,19 +160,21 @@ enum Rows {
 struct RoundStaging {
     /// Columns a lane's slab holds (at least one round's commit: W).
     cols: usize,
-    /// Per lane `[cols, n_ids * H]` BF16.
-    slabs: Vec<Buffer<bf16>>,
-    /// Projected vectors `[cols, H]` BF16.
+    /// The lanes' slabs `[lanes, cols, n_ids * H]` BF16 (lane `l` at `l * cols` rows).
+    slab: Buffer<bf16>,
+    /// Projected vectors `[lanes, cols, H]` BF16.
     c: Buffer<bf16>,
     /// Scratch of the projection and of the K/V materialize (F32; unused on the CPU).
     fp: Buffer<f32>,
     kv: Buffer<f32>,
-    /// One-element metadata: first position, count, lane.
+    /// Per lane: first position and count of the materialize (`[lanes]`; 0: nothing).
     start: Buffer<i32>,
     count: Buffer<i32>,
-    lane: Buffer<i32>,
-    /// The lane's page-table row `[max_pages]` (full layers only).
-    table: Option<Buffer<i32>>,
+    /// Lane ids `0..lanes` (row `l` of a round materialize writes lane `l`'s rings).
+    lane_ids: Buffer<i32>,
+    /// The round materialize captured as a CUDA graph, with the addresses of the weights
+    /// it was captured with (it replays only for those).
+    graph: Option<(Graph, Vec<u64>)>,
 }
 
 #[derive(Debug)]
@@ -217,11 +219,11 @@ struct WriteMeta<'b> {
     table: Option<&'b Buffer<i32>>,
 }
 
-/// The K/V materialize parameters of a chunk of `cols` columns of one request (the layout is
-/// set per layer).
-fn chunk_params(g: &ContextGeometry, cols: usize) -> MaterializeParams {
+/// The K/V materialize parameters of a chunk of `rows` requests' `cols` columns (the layout
+/// is set per layer).
+fn chunk_params(g: &ContextGeometry, rows: usize, cols: usize) -> MaterializeParams {
     MaterializeParams {
-        rows: 1,
+        rows,
         cols,
         hidden: g.hidden,
         kv_heads: g.kv_heads,
@@ -268,13 +270,13 @@ fn write_chunks(
     );
     let mut wrote = false;
     for chunk in chunks {
-        let params = chunk_params(g, chunk.cols);
+        let params = chunk_params(g, chunk.rows, chunk.cols);
         for (l, pool) in pools.iter_mut().enumerate() {
             let (layout, slots, k, v) = match pool {
                 Pool::Ring { window, k, v } => {
                     // A ring keeps only positions >= target - S; earlier chunks would be
                     // overwritten before anyone could read them.
-                    if chunk.start + chunk.n + *window <= target {
+                    if chunk.end + *window <= target {
                         continue;
                     }
                     (
@@ -326,11 +328,68 @@ fn write_chunks(
     (wrote, Ok(()))
 }
 
-/// Projected context vectors of one chunk, ready to be written: `n` live columns of the
-/// `cols` columns of `c`.
+/// The addresses of the weights a round materialize reads (a captured graph replays only
+/// for the same ones).
+fn weight_key(w: &MaterializeWeights<'_>) -> Vec<u64> {
+    let mut key = vec![w.fc.address(), w.hidden_norm.address()];
+    for l in &w.layers {
+        key.extend([l.w_k.address(), l.w_v.address(), l.key_norm.address()]);
+    }
+    key
+}
+
+/// The device work of a round materialize, for every lane at once (fixed shapes): the
+/// projection of all slabs, then per layer the K/V materialize of a row per lane, reading
+/// the lanes' starts and counts from `rs` (written before). `(wrote, result)`.
+fn round_writes(
+    be: &Backend,
+    g: &ContextGeometry,
+    capacity: &Capacity,
+    pools: &mut [Pool],
+    page_table: Option<&Buffer<i32>>,
+    rs: &mut RoundStaging,
+    w: &MaterializeWeights<'_>,
+) -> (bool, Result<()>) {
+    let lanes = capacity.lanes;
+    let params = FeatureProjectionParams {
+        tokens: lanes * rs.cols,
+        n_ids: g.n_ids,
+        hidden: g.hidden,
+        eps: g.eps,
+    };
+    if let Err(e) = feature_projection::run_with_scratch(
+        be,
+        &rs.slab,
+        w.fc,
+        w.hidden_norm,
+        &mut rs.c,
+        &mut rs.fp,
+        &params,
+    ) {
+        return (false, Err(ContextError::Ops(e)));
+    }
+    let chunk = Chunk {
+        // Each lane's chunk ends at its target: no ring skips it.
+        end: usize::MAX / 2,
+        rows: lanes,
+        cols: rs.cols,
+        c: &rs.c,
+        start_buf: &rs.start,
+        count_buf: &rs.count,
+    };
+    let meta = WriteMeta {
+        lane: &rs.lane_ids,
+        table: page_table,
+    };
+    write_chunks(be, g, capacity, pools, &[chunk], &meta, &mut rs.kv, w, 0)
+}
+
+/// Projected context vectors of one chunk, ready to be written: `rows` requests' columns
+/// (`cols` each; how many are live and where they start is in the device metadata), ending
+/// at position `end` (a round's chunk: at the target).
 struct Chunk<'b> {
-    start: usize,
-    n: usize,
+    end: usize,
+    rows: usize,
     cols: usize,
     c: &'b Buffer<bf16>,
     start_buf: &'b Buffer<i32>,
@@ -461,39 +520,38 @@ impl ContextStore {
         let mut store = Self::new(be, geometry, capacity)?;
         let g = &store.geometry;
         let be = &store.be;
+        let lanes = store.capacity.lanes;
         let (fw, hidden) = (g.feature_width(), g.hidden);
-        let (fp_len, kv_len) = Self::round_scratch_lens(g, round_cols)?;
-        let table = if g.has_full_layers() {
-            Some(be.zeros(store.capacity.max_pages_per_lane)?)
-        } else {
-            None
-        };
+        let (fp_len, kv_len) = Self::round_scratch_lens(g, lanes, round_cols)?;
         store.round = Some(RoundStaging {
             cols: round_cols,
-            slabs: (0..store.capacity.lanes)
-                .map(|_| be.zeros(round_cols * fw))
-                .collect::<std::result::Result<_, _>>()?,
-            c: be.zeros(round_cols * hidden)?,
+            slab: be.zeros(lanes * round_cols * fw)?,
+            c: be.zeros(lanes * round_cols * hidden)?,
             fp: be.zeros(fp_len)?,
             kv: be.zeros(kv_len)?,
-            start: be.zeros(1)?,
-            count: be.zeros(1)?,
-            lane: be.zeros(1)?,
-            table,
+            start: be.zeros(lanes)?,
+            count: be.zeros(lanes)?,
+            lane_ids: be.upload(&(0..to_i32(lanes)).collect::<Vec<i32>>())?,
+            graph: None,
         });
         Ok(store)
     }
 
-    /// F32 scratch lengths of a round's projection and K/V materialize (0 on neither: the
-    /// CPU paths accept any length, the plan counts the CUDA ones).
-    fn round_scratch_lens(g: &ContextGeometry, cols: usize) -> Result<(usize, usize)> {
+    /// F32 scratch lengths of a round's projection and K/V materialize over `lanes` lanes of
+    /// `cols` columns (0 on neither: the CPU paths accept any length, the plan counts the
+    /// CUDA ones).
+    fn round_scratch_lens(
+        g: &ContextGeometry,
+        lanes: usize,
+        cols: usize,
+    ) -> Result<(usize, usize)> {
         let fp = feature_projection::scratch_len(&FeatureProjectionParams {
-            tokens: cols,
+            tokens: lanes * cols,
             n_ids: g.n_ids,
             hidden: g.hidden,
             eps: g.eps,
         })?;
-        let kv = context_kv_materialize::scratch_len(&chunk_params(g, cols))?;
+        let kv = context_kv_materialize::scratch_len(&chunk_params(g, lanes, cols))?;
         Ok((fp, kv))
     }
 
@@ -504,17 +562,10 @@ impl ContextStore {
         round_cols: usize,
     ) -> u64 {
         let (fw, h) = (geometry.feature_width() as u64, geometry.hidden as u64);
-        let cols = round_cols as u64;
-        let (fp, kv) = Self::round_scratch_lens(geometry, round_cols).unwrap_or((0, 0));
-        let table = if geometry.has_full_layers() {
-            capacity.max_pages_per_lane as u64
-        } else {
-            0
-        };
-        2 * capacity.lanes as u64 * cols * fw
-            + 2 * cols * h
-            + 4 * (fp + kv) as u64
-            + 4 * (3 + table)
+        let (lanes, cols) = (capacity.lanes as u64, round_cols as u64);
+        let (fp, kv) =
+            Self::round_scratch_lens(geometry, capacity.lanes, round_cols).unwrap_or((0, 0));
+        2 * lanes * cols * (fw + h) + 4 * (fp + kv) as u64 + 4 * 3 * lanes
     }
 
     /// The backend the pools live on.
@@ -741,15 +792,18 @@ impl ContextStore {
         start_pos: usize,
         len: usize,
         backend: &'static str,
+        first_row: usize,
         n: usize,
     ) -> Result<()> {
         let r = self.lookup(h)?;
         let fw = self.geometry.feature_width();
-        if !len.is_multiple_of(fw) || len / fw < n {
+        // `n` rows from row `first_row`: the buffer must hold `first_row + n` rows.
+        let rows = first_row.saturating_add(n);
+        if !len.is_multiple_of(fw) || len / fw < rows {
             return Err(ContextError::FeatureShape {
                 width: fw,
                 len,
-                rows: n,
+                rows,
             });
         }
         if backend != self.be.name() {
@@ -787,21 +841,44 @@ impl ContextStore {
         features: &Buffer<bf16>,
         n: usize,
     ) -> Result<()> {
-        self.check_push(h, start_pos, features.len(), features.backend_name(), n)?;
+        self.push_pending_rows(h, start_pos, features, 0, n)
+    }
+
+    /// [`ContextStore::push_pending`] of rows `first_row .. first_row + n` of `features`
+    /// (e.g. one request's rows of a verify batch's features, copied straight into the
+    /// request's slab).
+    pub fn push_pending_rows(
+        &mut self,
+        h: ContextHandle,
+        start_pos: usize,
+        features: &Buffer<bf16>,
+        first_row: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.check_push(
+            h,
+            start_pos,
+            features.len(),
+            features.backend_name(),
+            first_row,
+            n,
+        )?;
         if n == 0 {
             return Ok(());
         }
-        let len = n * self.geometry.feature_width();
+        let fw = self.geometry.feature_width();
+        let (from, len) = (first_row * fw, n * fw);
         let empty_queue = self.lookup(h)?.pending.is_empty();
         if let Some(rs) = &mut self.round
             && empty_queue
             && n <= rs.cols
         {
-            self.be.copy(features, 0, &mut rs.slabs[h.lane], 0, len)?;
+            let at = h.lane * rs.cols * fw;
+            self.be.copy(features, from, &mut rs.slab, at, len)?;
             return self.enqueue(h, start_pos, n, Rows::Slab);
         }
         let mut copy = self.be.zeros(len)?;
-        self.be.copy(features, 0, &mut copy, 0, len)?;
+        self.be.copy(features, from, &mut copy, 0, len)?;
         self.enqueue(h, start_pos, n, Rows::Owned(copy))
     }
 
@@ -816,7 +893,7 @@ impl ContextStore {
     ) -> Result<()> {
         let fw = self.geometry.feature_width();
         let n = features.len() / fw;
-        self.check_push(h, start_pos, features.len(), features.backend_name(), n)?;
+        self.check_push(h, start_pos, features.len(), features.backend_name(), 0, n)?;
         if n == 0 {
             return Ok(());
         }
@@ -947,9 +1024,7 @@ impl ContextStore {
             && matches!(r.pending[0].features, Rows::Slab)
             && n == r.pending[0].rows
         {
-            let start = r.pending[0].start;
-            let res = self.materialize_slab(h, w, start, n, target);
-            return self.finish_materialize(h, target, res);
+            return self.materialize_slabs(&[h], w);
         }
         let widest = plan.iter().map(|c| c.2).max().unwrap_or(0);
         let mut fp_scratch = self.f32_scratch(widest * hidden)?;
@@ -963,10 +1038,11 @@ impl ContextStore {
                 eps: g.eps,
             };
             let mut c = self.be.zeros(n * hidden)?;
-            let source = match &entry.features {
-                Rows::Owned(b) => b,
+            // The entry's rows: its own buffer, or the lane's part of the slab.
+            let (source, at) = match &entry.features {
+                Rows::Owned(b) => (b, offset),
                 Rows::Slab => match &self.round {
-                    Some(rs) => &rs.slabs[h.lane],
+                    Some(rs) => (&rs.slab, h.lane * rs.cols + offset),
                     None => unreachable_slab()?,
                 },
             };
@@ -982,7 +1058,7 @@ impl ContextStore {
                 )?;
             } else {
                 let mut s = self.be.zeros(n * fw)?;
-                self.be.copy(source, offset * fw, &mut s, 0, n * fw)?;
+                self.be.copy(source, at * fw, &mut s, 0, n * fw)?;
                 feature_projection::run_with_scratch(
                     &self.be,
                     &s,
@@ -1014,13 +1090,13 @@ impl ContextStore {
             None => None,
         };
         let mut kv_scratch = self.f32_scratch(context_kv_materialize::scratch_len(
-            &chunk_params(&self.geometry, widest),
+            &chunk_params(&self.geometry, 1, widest),
         )?)?;
         let chunks: Vec<Chunk<'_>> = projected
             .iter()
             .map(|p| Chunk {
-                start: p.start,
-                n: p.n,
+                end: p.start + p.n,
+                rows: 1,
                 cols: p.n,
                 c: &p.c,
                 start_buf: &p.start_buf,
@@ -1045,82 +1121,156 @@ impl ContextStore {
         self.finish_materialize(h, target, res)
     }
 
-    /// Materialize a queue of one slab entry (`n` rows at `start`) through the round staging:
-    /// the projection runs over the whole slab (its shape fixed at startup; rows past `n`
-    /// are projected and never written), the cache writes over `n` columns. Allocates
-    /// nothing. `(wrote, result)`.
-    fn materialize_slab(
+    /// Materialize the pending features of every request in `handles` (distinct, each live):
+    /// the same result as [`ContextStore::materialize`] of each, in one batched call where
+    /// it can. Requests whose queue is one round's slab entry (what the engine pushes after
+    /// a commit) are materialized together through the round staging: one projection over
+    /// every lane's slab and one K/V materialize per layer with a row per lane (lanes with
+    /// nothing to write have count 0), with fixed shapes, so it allocates nothing and
+    /// replays as a CUDA graph once [`ContextStore::capture_round`] recorded one for `w`;
+    /// any other queue (a prefill, several pushes) goes through [`ContextStore::materialize`]
+    /// first. Nothing pending: nothing happens.
+    ///
+    /// Errors: those of [`ContextStore::materialize`], plus [`ContextError::DuplicateHandle`]
+    /// (checked, with every handle's validity, before any work). A device failure during the
+    /// batched cache writes poisons the batched requests.
+    pub fn materialize_round(
         &mut self,
-        h: ContextHandle,
+        handles: &[ContextHandle],
         w: &MaterializeWeights<'_>,
-        start: usize,
-        n: usize,
-        target: usize,
-    ) -> (bool, Result<()>) {
+    ) -> Result<()> {
+        self.check_weights(w)?;
+        for (row, &h) in handles.iter().enumerate() {
+            self.lookup(h)?;
+            if let Some(first) = handles[..row].iter().position(|o| o.lane == h.lane) {
+                return Err(ContextError::DuplicateHandle {
+                    lane: h.lane,
+                    first,
+                    second: row,
+                });
+            }
+        }
+        let mut slabs = Vec::with_capacity(handles.len());
+        for &h in handles {
+            let r = self.lookup(h)?;
+            let slab_only = self.round.is_some()
+                && r.pending.len() == 1
+                && matches!(r.pending[0].features, Rows::Slab);
+            if slab_only {
+                slabs.push(h);
+            } else {
+                self.materialize(h, w)?;
+            }
+        }
+        self.materialize_slabs(&slabs, w)
+    }
+
+    /// Record the batched part of [`ContextStore::materialize_round`] for weights `w` as a
+    /// CUDA graph (after one eager run with nothing to write, which loads its kernels): later
+    /// rounds with the same weights replay it after writing the lanes' counts. A store
+    /// without round staging, or a backend that cannot capture, keeps running it eagerly
+    /// (`Ok(false)`); `Ok(true)` when a graph was recorded.
+    pub fn capture_round(&mut self, w: &MaterializeWeights<'_>) -> Result<bool> {
+        self.check_weights(w)?;
+        if self.round.is_none() || self.be.can_capture().is_err() {
+            return Ok(false);
+        }
         let ContextStore {
             be,
             geometry: g,
             capacity,
             pools,
-            host_table,
+            page_table,
             round,
             ..
         } = self;
         let Some(rs) = round.as_mut() else {
-            return (false, unreachable_slab());
+            return Ok(false);
         };
-        let prepared = (|| -> Result<()> {
-            let params = FeatureProjectionParams {
-                tokens: rs.cols,
-                n_ids: g.n_ids,
-                hidden: g.hidden,
-                eps: g.eps,
-            };
-            let slab = &rs.slabs[h.lane];
-            feature_projection::run_with_scratch(
-                be,
-                slab,
-                w.fc,
-                w.hidden_norm,
-                &mut rs.c,
-                &mut rs.fp,
-                &params,
-            )?;
-            be.write(&mut rs.start, 0, &[to_i32(start)])?;
-            be.write(&mut rs.count, 0, &[to_i32(n)])?;
-            be.write(&mut rs.lane, 0, &[to_i32(h.lane)])?;
-            if let Some(t) = &mut rs.table {
-                let wdt = capacity.max_pages_per_lane;
-                be.write(t, 0, &host_table[h.lane * wdt..(h.lane + 1) * wdt])?;
-            }
-            Ok(())
-        })();
-        if let Err(e) = prepared {
-            return (false, Err(e));
+        rs.graph = None;
+        let lanes = capacity.lanes;
+        be.write(&mut rs.count, 0, &vec![0; lanes])?;
+        be.write(&mut rs.start, 0, &vec![0; lanes])?;
+        let (_, warm) = round_writes(be, g, capacity, pools, page_table.as_ref(), rs, w);
+        warm?;
+        let graph = be.capture(|| {
+            let (_, r) = round_writes(be, g, capacity, pools, page_table.as_ref(), rs, w);
+            r.map_err(|e| match e {
+                ContextError::Ops(e) => e,
+                other => OpsError::Capture {
+                    problem: other.to_string(),
+                },
+            })
+        })?;
+        rs.graph = Some((graph, weight_key(w)));
+        Ok(true)
+    }
+
+    /// Materialize requests whose queue is one slab entry, together through the round
+    /// staging (see [`ContextStore::materialize_round`]).
+    fn materialize_slabs(
+        &mut self,
+        handles: &[ContextHandle],
+        w: &MaterializeWeights<'_>,
+    ) -> Result<()> {
+        if handles.is_empty() {
+            return Ok(());
         }
-        let chunk = Chunk {
-            start,
-            n,
-            cols: rs.cols,
-            c: &rs.c,
-            start_buf: &rs.start,
-            count_buf: &rs.count,
-        };
-        let meta = WriteMeta {
-            lane: &rs.lane,
-            table: rs.table.as_ref(),
-        };
-        write_chunks(
+        let lanes = self.capacity.lanes;
+        let (mut start, mut count) = (vec![0i32; lanes], vec![0i32; lanes]);
+        let mut targets = Vec::with_capacity(handles.len());
+        for &h in handles {
+            let r = self.lookup(h)?;
+            let Some(p) = r.pending.front() else {
+                continue;
+            };
+            start[h.lane] = to_i32(p.start);
+            count[h.lane] = to_i32(p.rows);
+            targets.push((h, r.frontier + r.pending_cols));
+        }
+        let ContextStore {
             be,
-            g,
+            geometry: g,
             capacity,
             pools,
-            &[chunk],
-            &meta,
-            &mut rs.kv,
-            w,
-            target,
-        )
+            page_table,
+            round,
+            ..
+        } = self;
+        let Some(rs) = round.as_mut() else {
+            return unreachable_slab();
+        };
+        let written = (|| -> Result<()> {
+            be.write(&mut rs.start, 0, &start)?;
+            be.write(&mut rs.count, 0, &count)?;
+            Ok(())
+        })();
+        let (wrote, res) = match written {
+            Err(e) => (false, Err(e)),
+            Ok(()) => match &rs.graph {
+                Some((graph, key)) if *key == weight_key(w) => {
+                    // A launch failure may have written some of the caches.
+                    (true, graph.launch().map_err(ContextError::Ops))
+                }
+                _ => round_writes(be, g, capacity, pools, page_table.as_ref(), rs, w),
+            },
+        };
+        let mut first_error = res.err();
+        for (h, target) in targets {
+            let outcome = match &first_error {
+                None => Ok(()),
+                Some(_) => Err(ContextError::Poisoned),
+            };
+            if let Err(e) = self.finish_materialize(h, target, (wrote, outcome))
+                && first_error.is_none()
+            {
+                first_error = Some(e);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Advance the request to `target` on success; on a failure after a cache write, poison

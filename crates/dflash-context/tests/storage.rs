@@ -995,3 +995,99 @@ fn round_staging_materializes_like_the_plain_store_and_allocates_nothing() {
         );
     }
 }
+
+/// `materialize_round` over several requests at once (one projection of every lane's slab,
+/// one K/V write per layer with a row per lane) equals materializing each alone on a plain
+/// store: rings and pages, lanes with unequal rounds (5, 1, 3 rows; a lane with nothing
+/// pending), a request whose queue is not one slab entry (a prefill, two pushes) beside
+/// slab ones; no allocation for an all-slab round; duplicate and unknown handles are
+/// refused before anything is written; the CPU never captures a graph.
+#[test]
+fn materialize_round_batches_every_lane_like_one_at_a_time() {
+    for full in [true, false] {
+        let (plain, w) = tiny_store(full, 2048);
+        let be = plain.backend().clone();
+        let g = plain.geometry().clone();
+        let fw = g.feature_width();
+        let streams: Vec<_> = (0..3).map(|i| stream(&plain, &w, 40 + i, 30)).collect();
+        let mut staged =
+            ContextStore::with_round_staging(be.clone(), g.clone(), tiny_capacity(2048), 5)
+                .expect("store");
+        assert!(
+            !staged.capture_round(&w.view()).expect("capture"),
+            "CPU: no graph"
+        );
+        let mut plain = plain;
+        let hs: Vec<_> = (0..3).map(|_| staged.admit(30).expect("admit")).collect();
+        let hp: Vec<_> = (0..3).map(|_| plain.admit(30).expect("admit")).collect();
+        // Per round, per lane: the pushes before the materialize.
+        let schedule: [[&[usize]; 3]; 5] = [
+            [&[4], &[2], &[7]],
+            [&[5], &[1], &[3]],
+            [&[1], &[], &[2, 2]],
+            [&[3], &[5], &[8]],
+            [&[2], &[4], &[1]],
+        ];
+        let mut at = [0usize; 3];
+        for (round, pushes) in schedule.iter().enumerate() {
+            let mut all_slab = true;
+            for lane in 0..3 {
+                for &n in pushes[lane] {
+                    let rows = &streams[lane].0;
+                    let buf = be
+                        .upload(&rows[at[lane] * fw..(at[lane] + n) * fw])
+                        .expect("up");
+                    staged
+                        .push_pending(hs[lane], at[lane], &buf, n)
+                        .expect("push");
+                    plain
+                        .push_pending(hp[lane], at[lane], &buf, n)
+                        .expect("push");
+                    at[lane] += n;
+                }
+                all_slab &= pushes[lane].len() <= 1 && pushes[lane].iter().all(|&n| n <= 5);
+            }
+            let before = be.allocations();
+            staged
+                .materialize_round(&hs, &w.view())
+                .expect("materialize round");
+            if round > 0 && all_slab {
+                assert_eq!(be.allocations(), before, "round {round} allocated");
+            }
+            for lane in 0..3 {
+                plain.materialize(hp[lane], &w.view()).expect("plain");
+                assert_eq!(staged.pending(hs[lane]).expect("pending"), 0);
+                assert_eq!(staged.frontier(hs[lane]).expect("f"), at[lane]);
+                for l in 0..g.layers.len() {
+                    assert_eq!(
+                        staged.read_window(hs[lane], l).expect("staged"),
+                        plain.read_window(hp[lane], l).expect("plain"),
+                        "full={full} round {round} lane {lane} layer {l}"
+                    );
+                }
+            }
+        }
+        for lane in 0..3 {
+            assert_matches(&staged, hs[lane], &streams[lane].1);
+        }
+        // Refusals come before any work: a pending push stays pending.
+        let buf = be
+            .upload(&streams[0].0[at[0] * fw..(at[0] + 2) * fw])
+            .expect("up");
+        staged.push_pending(hs[0], at[0], &buf, 2).expect("push");
+        assert!(matches!(
+            staged.materialize_round(&[hs[0], hs[1], hs[0]], &w.view()),
+            Err(ContextError::DuplicateHandle {
+                first: 0,
+                second: 2,
+                ..
+            })
+        ));
+        staged.release(hs[2]).expect("release");
+        assert!(matches!(
+            staged.materialize_round(&[hs[0], hs[2]], &w.view()),
+            Err(ContextError::UnknownHandle { .. })
+        ));
+        assert_eq!(staged.pending(hs[0]).expect("pending"), 2, "nothing ran");
+    }
+}

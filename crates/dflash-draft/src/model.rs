@@ -129,6 +129,26 @@ impl DraftModel {
         Ok(())
     }
 
+    /// Materialize the pending features of every request in `handles` at once
+    /// ([`ContextStore::materialize_round`]: a round's pushes in one batched call, replayed
+    /// from a CUDA graph after [`DraftModel::capture_materialize`]).
+    pub fn materialize_round(
+        &self,
+        store: &mut ContextStore,
+        handles: &[ContextHandle],
+    ) -> Result<()> {
+        self.check_store(store)?;
+        store.materialize_round(handles, &self.weights.materialize_weights())?;
+        Ok(())
+    }
+
+    /// Record the batched round materialize of `store` for this model's weights as a CUDA
+    /// graph ([`ContextStore::capture_round`]); `false` where it stays eager.
+    pub fn capture_materialize(&self, store: &mut ContextStore) -> Result<bool> {
+        self.check_store(store)?;
+        Ok(store.capture_round(&self.weights.materialize_weights())?)
+    }
+
     /// Stage, run and read back one round: [`DraftModel::stage`], [`DraftModel::run_block`],
     /// [`Workspace::read`].
     pub fn propose(

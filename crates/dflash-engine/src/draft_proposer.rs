@@ -85,8 +85,6 @@ pub struct DraftProposer<'a> {
     startup: Startup,
     store: ContextStore,
     ws: Workspace,
-    /// `[W, feature_width]`: one request's verify features, copied out of the batch.
-    staging: Buffer<bf16>,
     plan: MemoryPlan,
     /// The draft block's CUDA graph per live-row bucket (empty when eager).
     profiles: Vec<Profile>,
@@ -210,7 +208,6 @@ impl<'a> DraftProposer<'a> {
             "draft workspace",
             workspace_bytes(model, &startup, &capacity, shape.rows),
         );
-        plan.push("verify feature staging", w * fw * 2);
         plan.push(
             "pending verify features and materialize scratch",
             ContextStore::round_staging_bytes(&cg, &capacity, w as usize),
@@ -240,15 +237,12 @@ impl<'a> DraftProposer<'a> {
         )?;
         let spec = WorkspaceSpec::from_startup(&startup, parts.vocab_rows);
         let ws = Workspace::new(&model, &store, &spec)?;
-        let fw = store.geometry().feature_width();
-        let staging = be.zeros(startup.block_width as usize * fw)?;
         let mut me = DraftProposer {
             model,
             parts,
             startup,
             store,
             ws,
-            staging,
             plan,
             profiles: Vec::new(),
             eager: None,
@@ -285,6 +279,7 @@ impl<'a> DraftProposer<'a> {
                 .capture(|| model.run_block(store, &view, ws).map_err(draft_to_ops))?;
             profiles.push(Profile { rows, graph });
         }
+        model.capture_materialize(store)?;
         // The placeholder rounds' results are never read; let them finish here, at startup.
         model.backend().synchronize()?;
         Ok(())
@@ -567,20 +562,23 @@ impl Proposer for DraftProposer<'_> {
         first_row: usize,
         rows: usize,
     ) -> Result<()> {
-        let fw = self.store.geometry().feature_width();
         let w = self.startup.block_width as usize;
         if rows > w {
             return Err(EngineError::Proposer {
                 reason: format!("{rows} verified rows exceed the block width {w}"),
             });
         }
-        let be = self.model.backend();
-        be.copy(features, first_row * fw, &mut self.staging, 0, rows * fw)?;
-        Ok(self.store.push_pending(slot, start, &self.staging, rows)?)
+        Ok(self
+            .store
+            .push_pending_rows(slot, start, features, first_row, rows)?)
     }
 
     fn materialize(&mut self, slot: ContextHandle) -> Result<()> {
         Ok(self.model.materialize(&mut self.store, slot)?)
+    }
+
+    fn materialize_all(&mut self, slots: &[ContextHandle]) -> Result<()> {
+        Ok(self.model.materialize_round(&mut self.store, slots)?)
     }
 
     fn coverage(&self, slot: ContextHandle) -> Result<Coverage> {

@@ -523,8 +523,14 @@ impl<T: Target, P: Proposer> Engine<T, P> {
     }
 
     fn materialize_row(&mut self, i: usize) -> Result<()> {
+        self.proposer.materialize(self.active[i].slot)?;
+        self.check_coverage(i)
+    }
+
+    /// After a materialize: the active request's draft context covers exactly its target
+    /// frontier ([`EngineError::CoverageMismatch`] otherwise).
+    fn check_coverage(&self, i: usize) -> Result<()> {
         let a = &self.active[i];
-        self.proposer.materialize(a.slot)?;
         let cov = self.proposer.coverage(a.slot)?;
         let target = self.target.frontier(a.seq)?;
         if cov.pending != 0 || cov.materialized != target || target != a.cont.frontier {
@@ -764,11 +770,16 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         let n = self.active.len();
         let w = self.k + 1;
         let public = self.target.info().public_vocab;
-        // 1. Materialize pending target features so every context reaches its frontier.
+        // 1. Materialize pending target features so every context reaches its frontier (all
+        //    requests in one call).
         let mut before = Vec::with_capacity(n);
+        for a in &self.active {
+            before.push(self.proposer.coverage(a.slot)?);
+        }
+        let slots: Vec<P::Slot> = self.active.iter().map(|a| a.slot).collect();
+        self.proposer.materialize_all(&slots)?;
         for i in 0..n {
-            before.push(self.proposer.coverage(self.active[i].slot)?);
-            self.materialize_row(i)?;
+            self.check_coverage(i)?;
         }
         // 2. P per request: K, cut so that the L <= P + 1 outputs fit the budget.
         let usable: Vec<usize> = self

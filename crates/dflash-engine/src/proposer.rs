@@ -116,6 +116,14 @@ pub trait Proposer {
     ) -> Result<()>;
     /// Materialize pending features so the context reaches its coverage frontier.
     fn materialize(&mut self, slot: Self::Slot) -> Result<()>;
+    /// [`Proposer::materialize`] every slot of a round (distinct slots); a proposer may do
+    /// it in one batched call. The default materializes them one by one.
+    fn materialize_all(&mut self, slots: &[Self::Slot]) -> Result<()> {
+        for &s in slots {
+            self.materialize(s)?;
+        }
+        Ok(())
+    }
     /// The slot's coverage.
     fn coverage(&self, slot: Self::Slot) -> Result<Coverage>;
 
