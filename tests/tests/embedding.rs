@@ -374,3 +374,83 @@ fn a_round_of_n_live_requests_computes_n_draft_rows() {
         assert_eq!(engine.proposer().graph_replays(), 0);
     }
 }
+
+/// `Target::verify_device`'s default (a target that verifies host tokens) reads the device
+/// ids back and verifies exactly what `Target::verify` would; a bad batch is refused with a
+/// typed error before anything is verified.
+#[test]
+fn verify_device_default_reads_the_ids_and_verifies_like_verify() {
+    use dflash_engine::{DeviceVerifyBatch, Target, TargetError, VerifyBatch, VerifyRow};
+    let fx = Fixture::write(DraftBackend::DFlash).expect("fixture");
+    let be = Backend::cpu();
+    let prompt = demo_prompts(1, 3).remove(0);
+    let (mut a, mut b) = (fx.target().expect("target"), fx.target().expect("target"));
+    let (sa, _) = a.create_with_prompt(&be, &prompt).expect("prefill");
+    let (sb, _) = b.create_with_prompt(&be, &prompt).expect("prefill");
+    let tokens = [prompt[0], 5, 9];
+    // Device ids `[1, W = 4]`: the three live tokens, then junk.
+    let ids = be.upload(&[tokens[0] as i32, 5, 9, -7]).expect("ids");
+    a.verify_device(
+        &be,
+        &DeviceVerifyBatch {
+            seqs: &[sa],
+            columns: &[3],
+            ids: &ids,
+            cols: 4,
+        },
+    )
+    .expect("device verify");
+    b.verify(
+        &be,
+        &VerifyBatch {
+            rows: &[VerifyRow::chain(sb, &tokens)],
+            cols: 4,
+        },
+    )
+    .expect("verify");
+    let read = |t: &dflash_testkit::ReferenceTarget| {
+        let v = t.verified().expect("view");
+        let dflash_ops::target_distribution::Logits::F32(l) = v.logits.values else {
+            panic!("F32 logits");
+        };
+        (
+            be.download(l).expect("l"),
+            be.download(v.features).expect("f"),
+        )
+    };
+    assert_eq!(read(&a), read(&b));
+    assert_eq!(a.pending(sa).expect("pending"), Some(3));
+    a.commit(&[dflash_engine::Commit::prefix(sa, 0)])
+        .expect("release");
+    let mut bad = |columns: &[usize], ids: &dflash_ops::Buffer<i32>, cols: usize| {
+        a.verify_device(
+            &be,
+            &DeviceVerifyBatch {
+                seqs: &[sa],
+                columns,
+                ids,
+                cols,
+            },
+        )
+        .expect_err("refused")
+    };
+    let short = be.upload(&[1i32, 2]).expect("short");
+    assert!(matches!(
+        bad(&[2], &short, 4),
+        TargetError::OutputShape { tensor: "ids", .. }
+    ));
+    assert!(matches!(
+        bad(&[5], &ids, 4),
+        TargetError::WidthTooSmall { .. }
+    ));
+    assert!(matches!(
+        bad(&[4], &ids, 4),
+        TargetError::TokenOutOfRange { column: 3, .. }
+    ));
+    assert!(matches!(bad(&[1, 2], &ids, 4), TargetError::EmptyBatch));
+    assert_eq!(
+        a.pending(sa).expect("pending"),
+        None,
+        "nothing was verified"
+    );
+}

@@ -86,6 +86,9 @@ pub struct DraftProposer<'a> {
     store: ContextStore,
     ws: Workspace,
     plan: MemoryPlan,
+    /// The target's verify input of a device round `[B, W]` I32: per row the anchor, then the
+    /// K proposals (assembled on the device after the block).
+    inputs: Buffer<i32>,
     /// The draft block's CUDA graph per live-row bucket (empty when eager).
     profiles: Vec<Profile>,
     /// Why the block runs eagerly (`None` when graph profiles replay it).
@@ -99,6 +102,20 @@ pub struct DraftProposer<'a> {
 struct Profile {
     rows: usize,
     graph: Graph,
+}
+
+/// The verify input of the first `rows` rows: the block's ids (`[anchor, MASK x K]` per row)
+/// with the K proposals copied over the mask columns.
+fn assemble_inputs(
+    be: &Backend,
+    ws: &Workspace,
+    inputs: &mut Buffer<i32>,
+    rows: usize,
+) -> dflash_ops::Result<()> {
+    let k = ws.draft_count();
+    let w = k + 1;
+    be.copy(&ws.ids, 0, inputs, 0, rows * w)?;
+    be.copy_rows(&ws.proposals, 0, k, inputs, 1, w, k, rows)
 }
 
 /// A draft refusal inside a capture, as the backend's error (the capture fails with it).
@@ -208,6 +225,7 @@ impl<'a> DraftProposer<'a> {
             "draft workspace",
             workspace_bytes(model, &startup, &capacity, shape.rows),
         );
+        plan.push("verify inputs", 4 * u64::from(startup.concurrency) * w);
         plan.push(
             "pending verify features and materialize scratch",
             ContextStore::round_staging_bytes(&cg, &capacity, w as usize),
@@ -237,6 +255,7 @@ impl<'a> DraftProposer<'a> {
         )?;
         let spec = WorkspaceSpec::from_startup(&startup, parts.vocab_rows);
         let ws = Workspace::new(&model, &store, &spec)?;
+        let inputs = be.zeros(startup.concurrency as usize * startup.block_width as usize)?;
         let mut me = DraftProposer {
             model,
             parts,
@@ -244,6 +263,7 @@ impl<'a> DraftProposer<'a> {
             store,
             ws,
             plan,
+            inputs,
             profiles: Vec::new(),
             eager: None,
             replays: 0,
@@ -267,16 +287,20 @@ impl<'a> DraftProposer<'a> {
             parts,
             store,
             ws,
+            inputs,
             profiles,
             ..
         } = self;
         let view = parts.view();
+        let be = model.backend();
         for rows in live_row_buckets(ws.rows()) {
             model.stage_idle(store, rows, ws)?;
             model.run_block(store, &view, ws)?;
-            let graph = model
-                .backend()
-                .capture(|| model.run_block(store, &view, ws).map_err(draft_to_ops))?;
+            assemble_inputs(be, ws, inputs, rows)?;
+            let graph = be.capture(|| {
+                model.run_block(store, &view, ws).map_err(draft_to_ops)?;
+                assemble_inputs(be, ws, inputs, rows)
+            })?;
             profiles.push(Profile { rows, graph });
         }
         model.capture_materialize(store)?;
@@ -294,6 +318,37 @@ impl<'a> DraftProposer<'a> {
     /// was asked for, or the backend cannot capture (the CPU; event tracking on).
     pub fn eager_reason(&self) -> Option<&str> {
         self.eager.as_deref()
+    }
+
+    /// Stage the rows and queue the draft block (its graph profile for the smallest bucket
+    /// that holds them, else op by op) and the verify input's assembly; nothing is read.
+    fn queue_block(&mut self, rows: &[ProposeRow<'_, ContextHandle>]) -> Result<()> {
+        let reqs: Vec<RowRequest> = rows
+            .iter()
+            .map(|r| RowRequest {
+                handle: r.slot,
+                anchor: r.anchor,
+                usable: r.usable,
+                temperature: r.temperature,
+                seed: r.seed,
+            })
+            .collect();
+        let n = reqs.len();
+        match self.profiles.iter().find(|p| p.rows >= n) {
+            Some(p) => {
+                self.model
+                    .stage_padded(&self.store, &reqs, p.rows, &mut self.ws)?;
+                p.graph.launch()?;
+                self.replays += 1;
+            }
+            None => {
+                self.model.stage(&self.store, &reqs, &mut self.ws)?;
+                self.model
+                    .run_block(&self.store, &self.parts.view(), &mut self.ws)?;
+                assemble_inputs(self.model.backend(), &self.ws, &mut self.inputs, n)?;
+            }
+        }
+        Ok(())
     }
 
     /// Rows the last draft block computed: the live requests when run eagerly, the
@@ -588,32 +643,30 @@ impl Proposer for DraftProposer<'_> {
         })
     }
 
+    fn propose_device(
+        &mut self,
+        rows: &[ProposeRow<'_, ContextHandle>],
+    ) -> Result<Option<crate::proposer::DeviceRound<'_>>> {
+        self.queue_block(rows)?;
+        Ok(Some(crate::proposer::DeviceRound {
+            proposals: dflash_verify::DeviceProposals {
+                ids: &self.ws.proposals,
+                top16: self
+                    .ws
+                    .selector
+                    .as_ref()
+                    .map(|s| dflash_verify::DeviceTop16 {
+                        candidates: &s.candidates,
+                        q: &s.q,
+                    }),
+            },
+            inputs: &self.inputs,
+        }))
+    }
+
     fn propose(&mut self, rows: &[ProposeRow<'_, ContextHandle>]) -> Result<Vec<Proposal>> {
-        let reqs: Vec<RowRequest> = rows
-            .iter()
-            .map(|r| RowRequest {
-                handle: r.slot,
-                anchor: r.anchor,
-                usable: r.usable,
-                temperature: r.temperature,
-                seed: r.seed,
-            })
-            .collect();
-        let n = reqs.len();
-        let out = match self.profiles.iter().find(|p| p.rows >= n) {
-            Some(p) => {
-                self.model
-                    .stage_padded(&self.store, &reqs, p.rows, &mut self.ws)?;
-                p.graph.launch()?;
-                self.replays += 1;
-                self.ws.read()?
-            }
-            None => {
-                let parts = self.parts.view();
-                self.model
-                    .propose(&self.store, &reqs, &parts, &mut self.ws)?
-            }
-        };
+        self.queue_block(rows)?;
+        let out = self.ws.read()?;
         let top16 = self.model.geometry().dflash2.is_some();
         out.into_iter()
             .map(|p| {

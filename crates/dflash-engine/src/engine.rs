@@ -19,6 +19,23 @@ use crate::target::{
     Commit, SeqHandle, Target, TargetCheckpoint, TargetInfo, VerifyBatch, VerifyRow,
 };
 
+/// The draft's proposal rows of the active requests (`usable`: each one's `P`).
+fn propose_rows<'a, S: Copy>(active: &'a [Active<S>], usable: &[usize]) -> Vec<ProposeRow<'a, S>> {
+    active
+        .iter()
+        .zip(usable)
+        .map(|(a, &p)| ProposeRow {
+            slot: a.slot,
+            anchor: a.cont.anchor().unwrap_or(0),
+            frontier: a.cont.frontier,
+            usable: p,
+            temperature: a.cont.request.sampling.temperature,
+            seed: a.cont.request.seed,
+            history: &a.cont.tokens,
+        })
+        .collect()
+}
+
 /// Something a frontend sees, in publication order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -765,43 +782,98 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         let _ = self.target.commit(&commits);
     }
 
-    /// One round over every active request (see the crate docs for the transaction).
-    fn round(&mut self, sink: &mut dyn FnMut(&Event)) -> Result<Vec<RowReport>> {
+    /// Steps 3-5 on the device, when the proposer leaves its round there
+    /// ([`Proposer::propose_device`]): the draft block, the target's verify from the device
+    /// inputs ([`Target::verify_device`]) and the verification ops are queued, and the one
+    /// read of the round brings the outcomes with the proposals, which are then checked
+    /// (public ids). `None`: the proposer proposes on the host only. The verify inputs and
+    /// outcomes, per row.
+    #[allow(clippy::type_complexity)] // reason: (inputs, outcomes) of the round
+    fn device_round(
+        &mut self,
+        usable: &[usize],
+        seqs: &[SeqHandle],
+    ) -> Result<Option<(Vec<Vec<u32>>, Vec<RoundOutcome>)>> {
+        let n = self.active.len();
+        let w = self.k + 1;
+        let rows = propose_rows(&self.active, usable);
+        let Some(round) = self.proposer.propose_device(&rows)? else {
+            return Ok(None);
+        };
+        drop(rows);
+        let columns: Vec<usize> = usable.iter().map(|&p| p + 1).collect();
+        self.target.verify_device(
+            &self.be,
+            &crate::target::DeviceVerifyBatch {
+                seqs,
+                columns: &columns,
+                ids: round.inputs,
+                cols: w,
+            },
+        )?;
+        let pending = {
+            let drows: Vec<dflash_verify::DeviceRow<'_>> = self
+                .active
+                .iter()
+                .zip(usable)
+                .map(|(a, &p)| dflash_verify::DeviceRow {
+                    anchor: a.cont.anchor().unwrap_or(0),
+                    proposals: p,
+                    settings: a.cont.request.sampling,
+                    seed: a.cont.request.seed,
+                    frontier: a.cont.frontier as u64,
+                    history: &a.history,
+                })
+                .collect();
+            self.target
+                .verified()
+                .map_err(EngineError::from)
+                .and_then(|view| {
+                    self.verify
+                        .verify_device(&self.be, &drows, &round.proposals, view.logits)
+                        .map_err(EngineError::from)
+                })
+        };
+        let read = pending.and_then(|p| p.wait().map_err(EngineError::from));
+        let (outcomes, proposals) = match read {
+            Ok((o, p)) if o.len() == n && p.len() == n => (o, p),
+            Ok((o, _)) => {
+                self.abort_verify(seqs);
+                return Err(EngineError::Proposer {
+                    reason: format!("verification returned {} outcomes for {n} rows", o.len()),
+                });
+            }
+            Err(e) => {
+                self.abort_verify(seqs);
+                return Err(e);
+            }
+        };
+        let inputs = self
+            .active
+            .iter()
+            .zip(proposals)
+            .map(|(a, p)| {
+                let mut v = Vec::with_capacity(p.len() + 1);
+                v.push(a.cont.anchor().unwrap_or(0));
+                v.extend(p);
+                v
+            })
+            .collect();
+        Ok(Some((inputs, outcomes)))
+    }
+
+    /// Steps 3-5 through the host: the proposals are read back and checked, then the
+    /// target verifies them and the verification ops run over them.
+    #[allow(clippy::type_complexity)] // reason: (inputs, outcomes) of the round
+    fn host_round(
+        &mut self,
+        usable: &[usize],
+        seqs: &[SeqHandle],
+    ) -> Result<(Vec<Vec<u32>>, Vec<RoundOutcome>)> {
         let n = self.active.len();
         let w = self.k + 1;
         let public = self.target.info().public_vocab;
-        // 1. Materialize pending target features so every context reaches its frontier (all
-        //    requests in one call).
-        let mut before = Vec::with_capacity(n);
-        for a in &self.active {
-            before.push(self.proposer.coverage(a.slot)?);
-        }
-        let slots: Vec<P::Slot> = self.active.iter().map(|a| a.slot).collect();
-        self.proposer.materialize_all(&slots)?;
-        for i in 0..n {
-            self.check_coverage(i)?;
-        }
-        // 2. P per request: K, cut so that the L <= P + 1 outputs fit the budget.
-        let usable: Vec<usize> = self
-            .active
-            .iter()
-            .map(|a| self.k.min(a.budget_left().saturating_sub(1)))
-            .collect();
-        // 3. One masked draft block for the compact batch.
-        let rows: Vec<ProposeRow<'_, P::Slot>> = self
-            .active
-            .iter()
-            .zip(&usable)
-            .map(|(a, &p)| ProposeRow {
-                slot: a.slot,
-                anchor: a.cont.anchor().unwrap_or(0),
-                frontier: a.cont.frontier,
-                usable: p,
-                temperature: a.cont.request.sampling.temperature,
-                seed: a.cont.request.seed,
-                history: &a.cont.tokens,
-            })
-            .collect();
+        let rows = propose_rows(&self.active, usable);
         let proposals = self.proposer.propose(&rows)?;
         drop(rows);
         if proposals.len() != n {
@@ -809,7 +881,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 reason: format!("{} proposals for {n} rows", proposals.len()),
             });
         }
-        for (i, (p, &u)) in proposals.iter().zip(&usable).enumerate() {
+        for (i, (p, &u)) in proposals.iter().zip(usable).enumerate() {
             if p.tokens.len() < u {
                 return Err(EngineError::Proposer {
                     reason: format!("row {i}: {} tokens for P = {u}", p.tokens.len()),
@@ -833,12 +905,11 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 }
             }
         }
-        // 4. Causal target verify of Q = P + 1 columns per row.
         let inputs: Vec<Vec<u32>> = self
             .active
             .iter()
             .zip(&proposals)
-            .zip(&usable)
+            .zip(usable)
             .map(|((a, p), &u)| {
                 let mut v = Vec::with_capacity(u + 1);
                 v.push(a.cont.anchor().unwrap_or(0));
@@ -846,7 +917,6 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 v
             })
             .collect();
-        let seqs: Vec<SeqHandle> = self.active.iter().map(|a| a.seq).collect();
         {
             let vrows: Vec<VerifyRow<'_>> = seqs
                 .iter()
@@ -861,13 +931,12 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 },
             )?;
         }
-        // 5. Acceptance and correction / bonus.
         let outcomes: Result<Vec<RoundOutcome>> = {
             let vrows: Vec<dflash_verify::VerifyRow<'_>> = self
                 .active
                 .iter()
                 .zip(&proposals)
-                .zip(&usable)
+                .zip(usable)
                 .map(|((a, p), &u)| dflash_verify::VerifyRow {
                     anchor: a.cont.anchor().unwrap_or(0),
                     proposals: &p.tokens[..u],
@@ -891,18 +960,49 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                         .map_err(EngineError::from)
                 })
         };
-        let outcomes = match outcomes {
-            Ok(o) if o.len() == n => o,
+        match outcomes {
+            Ok(o) if o.len() == n => Ok((inputs, o)),
             Ok(o) => {
-                self.abort_verify(&seqs);
-                return Err(EngineError::Proposer {
+                self.abort_verify(seqs);
+                Err(EngineError::Proposer {
                     reason: format!("verification returned {} outcomes for {n} rows", o.len()),
-                });
+                })
             }
             Err(e) => {
-                self.abort_verify(&seqs);
-                return Err(e);
+                self.abort_verify(seqs);
+                Err(e)
             }
+        }
+    }
+
+    /// One round over every active request (see the crate docs for the transaction).
+    fn round(&mut self, sink: &mut dyn FnMut(&Event)) -> Result<Vec<RowReport>> {
+        let n = self.active.len();
+        let w = self.k + 1;
+        // 1. Materialize pending target features so every context reaches its frontier (all
+        //    requests in one call).
+        let mut before = Vec::with_capacity(n);
+        for a in &self.active {
+            before.push(self.proposer.coverage(a.slot)?);
+        }
+        let slots: Vec<P::Slot> = self.active.iter().map(|a| a.slot).collect();
+        self.proposer.materialize_all(&slots)?;
+        for i in 0..n {
+            self.check_coverage(i)?;
+        }
+        // 2. P per request: K, cut so that the L <= P + 1 outputs fit the budget.
+        let usable: Vec<usize> = self
+            .active
+            .iter()
+            .map(|a| self.k.min(a.budget_left().saturating_sub(1)))
+            .collect();
+        // 3-5. One masked draft block for the compact batch, the causal target verify of
+        //      Q = P + 1 columns per row, acceptance and correction / bonus: on the device
+        //      when the proposer can (one read, of the outcome), else through the host.
+        let seqs: Vec<SeqHandle> = self.active.iter().map(|a| a.seq).collect();
+        let (inputs, outcomes) = match self.device_round(&usable, &seqs)? {
+            Some(r) => r,
+            None => self.host_round(&usable, &seqs)?,
         };
         // 6. Frontend preview: N in 0..=L per request.
         let decisions: Vec<(usize, Option<FinishReason>)> = self

@@ -76,12 +76,15 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use options::{EngineOptions, MemoryItem, MemoryPlan};
-pub use proposer::{Coverage, Proposal, ProposeRow, Proposer};
+pub use proposer::{Coverage, DeviceRound, Proposal, ProposeRow, Proposer};
 pub use request::{CancelHandle, FinishReason, Request, RequestId, StopConditions, preview};
 pub use sampling::{Sampler, inverse_cdf};
 pub use target::{
-    Accepted, Commit, PrefillOutput, SeqHandle, Target, TargetCheckpoint, TargetError, TargetInfo,
-    VerifyBatch, VerifyOutputs, VerifyRow, VerifyView,
+    Accepted, Commit, DeviceVerifyBatch, PrefillOutput, SeqHandle, Target, TargetCheckpoint,
+    TargetError, TargetInfo, VerifyBatch, VerifyOutputs, VerifyRow, VerifyView,
 };
 
-pub use dflash_verify::{LogitsLayout, ProposalKind, RetainedQ, SamplingSettings, TargetLogits};
+pub use dflash_verify::{
+    DeviceProposals, DeviceTop16, LogitsLayout, ProposalKind, RetainedQ, SamplingSettings,
+    TargetLogits,
+};

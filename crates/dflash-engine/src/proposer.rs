@@ -69,6 +69,15 @@ pub struct Proposal {
     pub q: Option<Vec<RetainedQ>>,
 }
 
+/// A proposal round left on the device ([`Proposer::propose_device`]).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRound<'a> {
+    /// The proposals (and DFlash2's retained q), row `r` of the batch at row `r`.
+    pub proposals: dflash_verify::DeviceProposals<'a>,
+    /// The target's verify input `[rows, W]` I32: row `r`'s anchor, then its `K` proposals.
+    pub inputs: &'a Buffer<i32>,
+}
+
 /// A drafter: per-request context slots and one batched proposal per round.
 pub trait Proposer {
     /// A request's context slot.
@@ -130,6 +139,19 @@ pub trait Proposer {
     /// One batched proposal round (rows in compact-batch order; every slot materialized).
     /// A row's proposal must not depend on the other rows.
     fn propose(&mut self, rows: &[ProposeRow<'_, Self::Slot>]) -> Result<Vec<Proposal>>;
+
+    /// [`Proposer::propose`] left on the device (nothing read back): the engine then
+    /// verifies from the returned buffers ([`Target::verify_device`](crate::Target),
+    /// `VerifyWorkspace::verify_device`) and reads the proposals with the round's outcome,
+    /// so the round synchronizes once. `None` (the default): this proposer proposes on the
+    /// host only, and the engine calls [`Proposer::propose`].
+    fn propose_device(
+        &mut self,
+        rows: &[ProposeRow<'_, Self::Slot>],
+    ) -> Result<Option<DeviceRound<'_>>> {
+        let _ = rows;
+        Ok(None)
+    }
 
     /// A device image of a materialized slot.
     fn checkpoint(&self, slot: Self::Slot) -> Result<Self::Image>;

@@ -138,6 +138,22 @@ pub struct VerifyBatch<'a> {
     pub cols: usize,
 }
 
+/// A verify batch whose input tokens are on the device ([`Target::verify_device`]): a
+/// device-resident round, where the engine has not read the draft's proposals back.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceVerifyBatch<'a> {
+    /// The rows' sequences (distinct, at least one).
+    pub seqs: &'a [SeqHandle],
+    /// Live columns `Q = P + 1` of each row (`1 ..= cols`).
+    pub columns: &'a [usize],
+    /// Input tokens I32 on the call's backend: row `r`'s `columns[r]` tokens (the anchor,
+    /// then the proposals) at `r * cols ..` (at least `rows * cols` elements; columns past a
+    /// row's count hold unspecified values).
+    pub ids: &'a Buffer<i32>,
+    /// Physical columns per row (as [`VerifyBatch::cols`]).
+    pub cols: usize,
+}
+
 /// What the last [`Target::verify`] produced ([`Target::verified`]), lent by the target: the
 /// engine reads the target's own memory in place, until the target's next verify.
 #[derive(Clone, Copy, Debug)]
@@ -296,6 +312,67 @@ pub trait Target {
     /// through [`Target::verified`]), and retain per-column records until
     /// [`Target::commit`]. No committed state changes.
     fn verify(&mut self, be: &Backend, batch: &VerifyBatch<'_>) -> Result<(), TargetError>;
+
+    /// [`Target::verify`] of a chain batch whose input tokens are on the device (the
+    /// device-resident round: the engine queues the draft, this verify and the verification
+    /// ops, and reads only the round's outcome). A target that embeds from device ids
+    /// overrides it and never synchronizes; the default reads the ids back (one synchronize)
+    /// and calls [`Target::verify`]. Same outputs, records and errors as [`Target::verify`]
+    /// (plus [`TargetError::OutputShape`] for `ids` shorter than `rows * cols` and
+    /// [`TargetError::EmptyBatch`] when `columns` and `seqs` differ in length).
+    fn verify_device(
+        &mut self,
+        be: &Backend,
+        batch: &DeviceVerifyBatch<'_>,
+    ) -> Result<(), TargetError> {
+        let rows = batch.seqs.len();
+        if batch.columns.len() != rows {
+            return Err(TargetError::EmptyBatch);
+        }
+        let need = rows.saturating_mul(batch.cols);
+        if batch.ids.len() < need {
+            return Err(TargetError::OutputShape {
+                tensor: "ids",
+                expected: need,
+                found: batch.ids.len(),
+            });
+        }
+        let ids = be.read(batch.ids, 0, need)?;
+        let mut tokens = Vec::with_capacity(rows);
+        for (r, &q) in batch.columns.iter().enumerate() {
+            if q > batch.cols {
+                return Err(TargetError::WidthTooSmall {
+                    row: r,
+                    columns: q,
+                    width: batch.cols,
+                });
+            }
+            let row = &ids[r * batch.cols..r * batch.cols + q];
+            let mut t = Vec::with_capacity(q);
+            for (i, &id) in row.iter().enumerate() {
+                t.push(u32::try_from(id).map_err(|_| TargetError::TokenOutOfRange {
+                    row: r,
+                    column: i,
+                    token: u32::MAX,
+                    vocab_rows: self.info().vocab_rows,
+                })?);
+            }
+            tokens.push(t);
+        }
+        let vrows: Vec<VerifyRow<'_>> = batch
+            .seqs
+            .iter()
+            .zip(&tokens)
+            .map(|(&s, t)| VerifyRow::chain(s, t))
+            .collect();
+        self.verify(
+            be,
+            &VerifyBatch {
+                rows: &vrows,
+                cols: batch.cols,
+            },
+        )
+    }
 
     /// The outputs of the last successful [`Target::verify`], lent in place (no copy); valid
     /// until the next verify (a commit or release does not change them).

@@ -701,6 +701,67 @@ impl Backend {
         }
     }
 
+    /// Copy `rows` runs of `len` elements on this backend: run `r` from
+    /// `src[src_offset + r * src_stride ..]` to `dst[dst_offset + r * dst_stride ..]` (one
+    /// strided copy on CUDA, recordable into a graph). Strides are at least `len`
+    /// ([`OpsError::Param`] otherwise); every run must lie in its buffer.
+    #[allow(clippy::too_many_arguments)] // reason: a 2-D copy's source and destination geometry
+    pub fn copy_rows<T: Element>(
+        &self,
+        src: &Buffer<T>,
+        src_offset: usize,
+        src_stride: usize,
+        dst: &mut Buffer<T>,
+        dst_offset: usize,
+        dst_stride: usize,
+        len: usize,
+        rows: usize,
+    ) -> Result<()> {
+        if rows == 0 || len == 0 {
+            return Ok(());
+        }
+        for (stride, name) in [(src_stride, "src_stride"), (dst_stride, "dst_stride")] {
+            crate::check_param("copy_rows", name, stride >= len, stride, || {
+                format!("at least the run length {len}")
+            })?;
+        }
+        let span = |offset: usize, stride: usize| {
+            (rows - 1)
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add(offset))
+                .unwrap_or(usize::MAX)
+        };
+        check_range(
+            "copy_rows",
+            "src",
+            span(src_offset, src_stride),
+            len,
+            src.len(),
+        )?;
+        check_range(
+            "copy_rows",
+            "dst",
+            span(dst_offset, dst_stride),
+            len,
+            dst.len(),
+        )?;
+        match self {
+            Backend::Cpu => {
+                let s = src.host("copy_rows", "src")?;
+                let d = dst.host_mut("copy_rows", "dst")?;
+                for r in 0..rows {
+                    let (a, b) = (src_offset + r * src_stride, dst_offset + r * dst_stride);
+                    d[b..b + len].copy_from_slice(&s[a..a + len]);
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.copy_rows(
+                src, src_offset, src_stride, dst, dst_offset, dst_stride, len, rows,
+            ),
+        }
+    }
+
     /// Set every element of `buf` to `value`.
     pub fn fill<T: Element>(&self, buf: &mut Buffer<T>, value: T) -> Result<()> {
         match self {
@@ -974,5 +1035,38 @@ mod tests {
             "nothing is queued on the CPU: the work is not run either"
         );
         assert!(be.can_capture().is_err());
+    }
+
+    #[test]
+    fn copy_rows_copies_strided_runs_and_checks_them() {
+        let be = Backend::cpu();
+        // A [3, 4] source; copy columns 1..3 of rows 0..3 into columns 2..4 of a [3, 5] dst.
+        let src = be.upload(&(0..12).collect::<Vec<i32>>()).expect("src");
+        let mut dst = be.filled(15, -1i32).expect("dst");
+        be.copy_rows(&src, 1, 4, &mut dst, 2, 5, 2, 3)
+            .expect("copy");
+        assert_eq!(
+            be.download(&dst).expect("read"),
+            vec![-1, -1, 1, 2, -1, -1, -1, 5, 6, -1, -1, -1, 9, 10, -1]
+        );
+        assert!(matches!(
+            be.copy_rows(&src, 0, 1, &mut dst, 0, 5, 2, 3),
+            Err(OpsError::Param {
+                param: "src_stride",
+                ..
+            })
+        ));
+        // The last run would end past the source.
+        assert!(matches!(
+            be.copy_rows(&src, 3, 4, &mut dst, 0, 5, 2, 3),
+            Err(OpsError::Range { .. })
+        ));
+        assert_eq!(
+            be.download(&dst).expect("read")[2],
+            1,
+            "refused copies write nothing"
+        );
+        be.copy_rows(&src, 0, 4, &mut dst, 0, 5, 2, 0)
+            .expect("no rows");
     }
 }

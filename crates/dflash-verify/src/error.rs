@@ -112,6 +112,17 @@ impl std::fmt::Display for QFault {
 /// every caller-owned value are as they were.
 #[derive(Debug, thiserror::Error)]
 pub enum VerifyError {
+    /// A device proposal buffer of [`crate::VerifyWorkspace::verify_device`] is too short
+    /// for the batch.
+    #[error("device proposals: `{tensor}` must hold at least {expected} elements, found {found}")]
+    DeviceProposals {
+        /// The buffer (`ids`, `candidates`, `q`).
+        tensor: &'static str,
+        /// Elements the batch reads.
+        expected: usize,
+        /// Elements it holds.
+        found: usize,
+    },
     /// A workspace shape parameter is out of range.
     #[error("verify workspace: `{param}` = {found}, expected {expected}")]
     Shape {

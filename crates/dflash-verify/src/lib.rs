@@ -94,7 +94,7 @@ pub use dflash_ops::target_distribution::Logits;
 pub use dflash_ops::target_distribution::Settings as SamplingSettings;
 
 use dflash_ops::target_distribution::{self, SamplingBuffers};
-use dflash_ops::{Backend, Buffer, Element, chain_accept};
+use dflash_ops::{Backend, Buffer, Element, PendingRead, chain_accept};
 
 /// Retained candidates per DFlash2 proposal column.
 pub const TOP: usize = chain_accept::TOP;
@@ -506,20 +506,90 @@ impl VerifyWorkspace {
         rows: &[VerifyRow<'_>],
         logits: TargetLogits<'_>,
     ) -> Result<Vec<RoundOutcome>> {
-        self.validate(be, rows, &logits)?;
+        let metas: Vec<Meta<'_>> = rows.iter().map(Meta::of).collect();
+        self.validate(be, &metas, &logits)?;
+        for (r, row) in rows.iter().enumerate() {
+            self.validate_proposals(r, row)?;
+        }
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        self.stage(be, rows, logits.layout)?;
+        self.stage(be, &metas, logits.layout)?;
+        self.stage_proposals(be, rows)?;
         self.launch(be, rows.len(), logits.values)?;
-        self.read_outcomes(be, rows)
+        let pending = self.queue_outcomes(be, &metas, None)?;
+        let props: Vec<&[u32]> = rows.iter().map(|r| r.proposals).collect();
+        pending.finish(&props)
+    }
+
+    /// [`Self::verify`] of a device-resident round: the proposals (and DFlash2's candidates
+    /// and q) stay in the draft's device buffers ([`DeviceProposals`]; copied on the device
+    /// into the workspace), nothing is read before the ops run, and the outcome comes back
+    /// with the proposals in one queued read ([`PendingOutcomes::wait`]), so the round's
+    /// only synchronize can be that read (together with any other read queued before it).
+    ///
+    /// The host checks of [`Self::verify`] that need no proposal value run first (a refused
+    /// call writes nothing); the proposals' ids are checked when read back
+    /// ([`PendingOutcomes::wait`]: public, as the draft ops guarantee). The retained q are
+    /// the selector op's output and are trusted (its contract: a distribution over 16
+    /// distinct public ids holding the proposal).
+    pub fn verify_device(
+        &mut self,
+        be: &Backend,
+        rows: &[DeviceRow<'_>],
+        proposals: &DeviceProposals<'_>,
+        logits: TargetLogits<'_>,
+    ) -> Result<PendingOutcomes> {
+        let metas: Vec<Meta<'_>> = rows.iter().map(Meta::of_device).collect();
+        self.validate(be, &metas, &logits)?;
+        let VerifyShape { cols, kind, .. } = self.shape;
+        let (n, k) = (rows.len(), cols - 1);
+        let found = if proposals.top16.is_some() {
+            ProposalKind::Top16
+        } else {
+            ProposalKind::OneHot
+        };
+        if found != kind {
+            return Err(VerifyError::ProposalKind {
+                row: 0,
+                expected: kind.name(),
+                found: found.name(),
+            });
+        }
+        let short = |tensor: &'static str, len: usize, need: usize| {
+            if len < need {
+                Err(VerifyError::DeviceProposals {
+                    tensor,
+                    expected: need,
+                    found: len,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        short("ids", proposals.ids.len(), n * k)?;
+        if let Some(t) = &proposals.top16 {
+            short("candidates", t.candidates.len(), n * k * TOP)?;
+            short("q", t.q.len(), n * k * TOP)?;
+        }
+        if rows.is_empty() {
+            return self.queue_outcomes(be, &metas, Some(n * k));
+        }
+        self.stage(be, &metas, logits.layout)?;
+        be.copy(proposals.ids, 0, &mut self.proposals, 0, n * k)?;
+        if let Some(t) = &proposals.top16 {
+            be.copy(t.candidates, 0, &mut self.ids, 0, n * k * TOP)?;
+            be.copy(t.q, 0, &mut self.q, 0, n * k * TOP)?;
+        }
+        self.launch(be, n, logits.values)?;
+        self.queue_outcomes(be, &metas, Some(n * k))
     }
 
     /// Each row's first logits column in `layout` with `w` columns a row (`r * w` padded; the
     /// `P + 1` live columns of the rows before it, packed).
     fn first_columns<'r>(
         w: usize,
-        rows: &'r [VerifyRow<'_>],
+        rows: &'r [Meta<'_>],
         layout: LogitsLayout,
     ) -> impl Iterator<Item = usize> + 'r {
         rows.iter().enumerate().scan(0usize, move |next, (r, row)| {
@@ -527,17 +597,13 @@ impl VerifyWorkspace {
                 LogitsLayout::Padded => r * w,
                 LogitsLayout::Packed => *next,
             };
-            *next += row.proposals.len() + 1;
+            *next += row.np + 1;
             Some(start)
         })
     }
 
-    fn validate(
-        &self,
-        be: &Backend,
-        rows: &[VerifyRow<'_>],
-        logits: &TargetLogits<'_>,
-    ) -> Result<()> {
+    /// The checks every row and the logits pass, whichever side holds the proposals.
+    fn validate(&self, be: &Backend, rows: &[Meta<'_>], logits: &TargetLogits<'_>) -> Result<()> {
         let VerifyShape {
             max_rows,
             cols,
@@ -552,7 +618,7 @@ impl VerifyWorkspace {
         // Whole units (padded rows or vocabulary columns), at least the batch's.
         let (unit, units) = match logits.layout {
             LogitsLayout::Padded => (cols * vocab_rows, n),
-            LogitsLayout::Packed => (vocab_rows, rows.iter().map(|r| r.proposals.len() + 1).sum()),
+            LogitsLayout::Packed => (vocab_rows, rows.iter().map(|r| r.np + 1).sum()),
         };
         let found = logits.values.len();
         if !found.is_multiple_of(unit) || found / unit < units {
@@ -567,12 +633,12 @@ impl VerifyWorkspace {
             });
         }
         for (r, row) in rows.iter().enumerate() {
-            self.validate_row(r, row)?;
+            self.validate_meta(r, row)?;
         }
         if be.is_cpu() && n > 0 {
             let starts = Self::first_columns(cols, rows, logits.layout);
             for ((r, row), first) in rows.iter().enumerate().zip(starts) {
-                for i in 0..=row.proposals.len() {
+                for i in 0..=row.np {
                     let base = (first + i) * vocab_rows;
                     match logits.values {
                         Logits::F32(b) => {
@@ -590,22 +656,36 @@ impl VerifyWorkspace {
         Ok(())
     }
 
-    fn validate_row(&self, r: usize, row: &VerifyRow<'_>) -> Result<()> {
+    /// Row `r`'s token `t` in `role`: below the vocabulary rows and public.
+    fn check_token(&self, r: usize, role: TokenRole, t: u32) -> Result<()> {
         let VerifyShape {
-            cols,
             vocab_rows,
             public_vocab,
-            kind,
             ..
         } = self.shape;
-        let np = row.proposals.len();
-        if np + 1 > cols {
-            return Err(VerifyError::TooManyProposals {
+        if t as usize >= vocab_rows {
+            Err(VerifyError::TokenOutOfRange {
                 row: r,
-                proposals: np,
-                max: cols - 1,
-            });
+                role,
+                token: t,
+                vocab_rows,
+            })
+        } else if t as usize >= public_vocab {
+            Err(VerifyError::NonPublicToken {
+                row: r,
+                role,
+                token: t,
+                public_vocab,
+            })
+        } else {
+            Ok(())
         }
+    }
+
+    /// The host proposals of row `r`: the distribution's kind, every token, every q.
+    fn validate_proposals(&self, r: usize, row: &VerifyRow<'_>) -> Result<()> {
+        let kind = self.shape.kind;
+        let np = row.proposals.len();
         if row.dist.kind() != kind {
             return Err(VerifyError::ProposalKind {
                 row: r,
@@ -613,29 +693,47 @@ impl VerifyWorkspace {
                 found: row.dist.kind().name(),
             });
         }
-        let check_token = |role: TokenRole, t: u32| -> Result<()> {
-            if t as usize >= vocab_rows {
-                Err(VerifyError::TokenOutOfRange {
-                    row: r,
-                    role,
-                    token: t,
-                    vocab_rows,
-                })
-            } else if t as usize >= public_vocab {
-                Err(VerifyError::NonPublicToken {
-                    row: r,
-                    role,
-                    token: t,
-                    public_vocab,
-                })
-            } else {
-                Ok(())
-            }
-        };
-        check_token(TokenRole::Anchor, row.anchor)?;
         for (j, &d) in row.proposals.iter().enumerate() {
-            check_token(TokenRole::Proposal(j + 1), d)?;
+            self.check_token(r, TokenRole::Proposal(j + 1), d)?;
         }
+        if let ProposalDist::Top16(qs) = row.dist {
+            if qs.len() != np {
+                return Err(VerifyError::QColumns {
+                    row: r,
+                    proposals: np,
+                    found: qs.len(),
+                });
+            }
+            for (i, rq) in qs.iter().enumerate() {
+                for (s, &id) in rq.ids.iter().enumerate() {
+                    self.check_token(r, TokenRole::Candidate { column: i, slot: s }, id)?;
+                }
+                validate_q(rq, row.proposals[i]).map_err(|fault| {
+                    VerifyError::QNotDistribution {
+                        row: r,
+                        column: i,
+                        fault,
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `r`'s proposal count, anchor, history, frontier and settings.
+    fn validate_meta(&self, r: usize, row: &Meta<'_>) -> Result<()> {
+        let VerifyShape {
+            cols, vocab_rows, ..
+        } = self.shape;
+        let np = row.np;
+        if np + 1 > cols {
+            return Err(VerifyError::TooManyProposals {
+                row: r,
+                proposals: np,
+                max: cols - 1,
+            });
+        }
+        self.check_token(r, TokenRole::Anchor, row.anchor)?;
         let h = row.history;
         if h.vocab_rows() != vocab_rows {
             return Err(VerifyError::HistoryVocab {
@@ -665,36 +763,13 @@ impl VerifyWorkspace {
                 last: h.last(),
             });
         }
-        validate_settings(r, &row.settings)?;
-        if let ProposalDist::Top16(qs) = row.dist {
-            if qs.len() != np {
-                return Err(VerifyError::QColumns {
-                    row: r,
-                    proposals: np,
-                    found: qs.len(),
-                });
-            }
-            for (i, rq) in qs.iter().enumerate() {
-                for (s, &id) in rq.ids.iter().enumerate() {
-                    check_token(TokenRole::Candidate { column: i, slot: s }, id)?;
-                }
-                validate_q(rq, row.proposals[i]).map_err(|fault| {
-                    VerifyError::QNotDistribution {
-                        row: r,
-                        column: i,
-                        fault,
-                    }
-                })?;
-            }
-        }
-        Ok(())
+        validate_settings(r, &row.settings)
     }
 
     /// Write the round's metadata of the `rows.len()` rows (all validated) into the first rows
     /// of the device buffers.
-    fn stage(&mut self, be: &Backend, rows: &[VerifyRow<'_>], layout: LogitsLayout) -> Result<()> {
-        let VerifyShape { cols: w, kind, .. } = self.shape;
-        let k = w - 1;
+    fn stage(&mut self, be: &Backend, rows: &[Meta<'_>], layout: LogitsLayout) -> Result<()> {
+        let w = self.shape.cols;
         let s = &mut self.staging;
         s.live.clear();
         s.col_start.clear();
@@ -711,10 +786,45 @@ impl VerifyWorkspace {
         s.seeds.clear();
         s.start_pos.clear();
         for (row, first) in rows.iter().zip(Self::first_columns(w, rows, layout)) {
-            let np = row.proposals.len();
-            s.live.push(np as i32 + 1);
+            s.live.push(row.np as i32 + 1);
             // At most B * W < 2^31 (checked in `new`).
             s.col_start.push(first as i32);
+            let st = row.settings;
+            s.temperature.push(st.temperature);
+            s.top_k.push(st.top_k);
+            s.top_p.push(st.top_p);
+            s.min_p.push(st.min_p);
+            s.rep.push(st.repetition_penalty);
+            s.freq.push(st.frequency_penalty);
+            s.pres.push(st.presence_penalty);
+            s.seeds.push(row.seed as u32 as i32);
+            s.seeds.push((row.seed >> 32) as u32 as i32);
+            // Validated: frontier <= max_frontier < 2^31.
+            s.start_pos.push(row.frontier as i32);
+        }
+        be.write(&mut self.live, 0, &s.live)?;
+        be.write(&mut self.col_start, 0, &s.col_start)?;
+        let sb = &mut self.sampling;
+        be.write(&mut sb.temperature, 0, &s.temperature)?;
+        be.write(&mut sb.top_k, 0, &s.top_k)?;
+        be.write(&mut sb.top_p, 0, &s.top_p)?;
+        be.write(&mut sb.min_p, 0, &s.min_p)?;
+        be.write(&mut sb.repetition_penalty, 0, &s.rep)?;
+        be.write(&mut sb.frequency_penalty, 0, &s.freq)?;
+        be.write(&mut sb.presence_penalty, 0, &s.pres)?;
+        be.write(&mut self.seeds, 0, &s.seeds)?;
+        be.write(&mut self.start_pos, 0, &s.start_pos)?;
+        self.sync_counts(be, rows)
+    }
+
+    /// Write the host rows' proposals (and DFlash2's q and ids), zero past each row's `P`.
+    fn stage_proposals(&mut self, be: &Backend, rows: &[VerifyRow<'_>]) -> Result<()> {
+        let k = self.shape.cols - 1;
+        let s = &mut self.staging;
+        s.proposals.clear();
+        s.q.clear();
+        s.ids.clear();
+        for row in rows {
             for j in 0..k {
                 s.proposals
                     .push(row.proposals.get(j).map_or(0, |&d| d as i32));
@@ -733,42 +843,18 @@ impl VerifyWorkspace {
                     }
                 }
             }
-            let st = row.settings;
-            s.temperature.push(st.temperature);
-            s.top_k.push(st.top_k);
-            s.top_p.push(st.top_p);
-            s.min_p.push(st.min_p);
-            s.rep.push(st.repetition_penalty);
-            s.freq.push(st.frequency_penalty);
-            s.pres.push(st.presence_penalty);
-            s.seeds.push(row.seed as u32 as i32);
-            s.seeds.push((row.seed >> 32) as u32 as i32);
-            // Validated: frontier <= max_frontier < 2^31.
-            s.start_pos.push(row.frontier as i32);
         }
-        be.write(&mut self.live, 0, &s.live)?;
-        be.write(&mut self.col_start, 0, &s.col_start)?;
         be.write(&mut self.proposals, 0, &s.proposals)?;
-        if kind == ProposalKind::Top16 {
+        if self.shape.kind == ProposalKind::Top16 {
             be.write(&mut self.q, 0, &s.q)?;
             be.write(&mut self.ids, 0, &s.ids)?;
         }
-        let sb = &mut self.sampling;
-        be.write(&mut sb.temperature, 0, &s.temperature)?;
-        be.write(&mut sb.top_k, 0, &s.top_k)?;
-        be.write(&mut sb.top_p, 0, &s.top_p)?;
-        be.write(&mut sb.min_p, 0, &s.min_p)?;
-        be.write(&mut sb.repetition_penalty, 0, &s.rep)?;
-        be.write(&mut sb.frequency_penalty, 0, &s.freq)?;
-        be.write(&mut sb.presence_penalty, 0, &s.pres)?;
-        be.write(&mut self.seeds, 0, &s.seeds)?;
-        be.write(&mut self.start_pos, 0, &s.start_pos)?;
-        self.sync_counts(be, rows)
+        Ok(())
     }
 
     /// Bring slot `r`'s device counts to `rows[r].history` for every row, rewriting only the
     /// id range that changed.
-    fn sync_counts(&mut self, be: &Backend, rows: &[VerifyRow<'_>]) -> Result<()> {
+    fn sync_counts(&mut self, be: &Backend, rows: &[Meta<'_>]) -> Result<()> {
         let v = self.shape.vocab_rows;
         if !self.counts_synced {
             self.counts_mirror.fill(0);
@@ -869,18 +955,114 @@ impl VerifyWorkspace {
         Ok(())
     }
 
-    fn read_outcomes(&self, be: &Backend, rows: &[VerifyRow<'_>]) -> Result<Vec<RoundOutcome>> {
+    /// Queue the reads of the first `rows.len()` outcomes (and, for a device round, of the
+    /// first `proposals` proposal ids): one synchronize for all of them.
+    fn queue_outcomes(
+        &self,
+        be: &Backend,
+        rows: &[Meta<'_>],
+        proposals: Option<usize>,
+    ) -> Result<PendingOutcomes> {
         let n = rows.len();
         let w = self.shape.cols;
-        let public = self.shape.public_vocab;
-        // Queued together, so the three reads cost one synchronize.
-        let accepted = be.read_async(&self.accepted, 0, n)?;
-        let out_len = be.read_async(&self.out_len, 0, n)?;
-        let tokens = be.read_async(&self.out_tokens, 0, n * w)?;
-        let (accepted, out_len, tokens) = (accepted.wait()?, out_len.wait()?, tokens.wait()?);
-        let mut out = Vec::with_capacity(n);
-        for (r, row) in rows.iter().enumerate() {
-            let np = row.proposals.len();
+        Ok(PendingOutcomes {
+            accepted: be.read_async(&self.accepted, 0, n)?,
+            out_len: be.read_async(&self.out_len, 0, n)?,
+            tokens: be.read_async(&self.out_tokens, 0, n * w)?,
+            proposals: match proposals {
+                Some(len) => Some(be.read_async(&self.proposals, 0, len)?),
+                None => None,
+            },
+            np: rows.iter().map(|r| r.np).collect(),
+            cols: w,
+            vocab_rows: self.shape.vocab_rows,
+            public_vocab: self.shape.public_vocab,
+        })
+    }
+}
+
+/// The outcomes of a verification, queued ([`VerifyWorkspace::verify_device`]): their reads
+/// complete with the next synchronize of the backend, which [`PendingOutcomes::wait`] makes
+/// if none happened since (reads queued together with them share it).
+#[derive(Debug)]
+pub struct PendingOutcomes {
+    accepted: PendingRead<i32>,
+    out_len: PendingRead<i32>,
+    tokens: PendingRead<i32>,
+    proposals: Option<PendingRead<i32>>,
+    np: Vec<usize>,
+    cols: usize,
+    vocab_rows: usize,
+    public_vocab: usize,
+}
+
+impl PendingOutcomes {
+    /// Each row's outcome and its `P` verified proposals `d_1 .. d_P`, in row order.
+    ///
+    /// Errors: [`VerifyError::TokenOutOfRange`] / [`VerifyError::NonPublicToken`] for a
+    /// proposal the device held, [`VerifyError::DeviceOutcome`] for an inconsistent outcome.
+    pub fn wait(self) -> Result<(Vec<RoundOutcome>, Vec<Vec<u32>>)> {
+        let k = self.cols - 1;
+        let raw = match self.proposals {
+            Some(pending) => pending.wait()?,
+            // Outcomes of a host round: its proposals are the caller's, not read back.
+            None => Vec::new(),
+        };
+        if raw.len() < self.np.len() * k {
+            return Err(VerifyError::DeviceProposals {
+                tensor: "ids",
+                expected: self.np.len() * k,
+                found: raw.len(),
+            });
+        }
+        let mut props = Vec::with_capacity(self.np.len());
+        for (r, &np) in self.np.iter().enumerate() {
+            let mut row = Vec::with_capacity(np);
+            for (j, &d) in raw[r * k..r * k + np].iter().enumerate() {
+                let role = TokenRole::Proposal(j + 1);
+                let t = u32::try_from(d).unwrap_or(u32::MAX);
+                if t as usize >= self.vocab_rows {
+                    return Err(VerifyError::TokenOutOfRange {
+                        row: r,
+                        role,
+                        token: t,
+                        vocab_rows: self.vocab_rows,
+                    });
+                }
+                if t as usize >= self.public_vocab {
+                    return Err(VerifyError::NonPublicToken {
+                        row: r,
+                        role,
+                        token: t,
+                        public_vocab: self.public_vocab,
+                    });
+                }
+                row.push(t);
+            }
+            props.push(row);
+        }
+        let rest = PendingOutcomes {
+            proposals: None,
+            ..self
+        };
+
+        let refs: Vec<&[u32]> = props.iter().map(Vec::as_slice).collect();
+        let outcomes = rest.finish(&refs)?;
+        Ok((outcomes, props))
+    }
+
+    /// The outcomes against the rows' verified proposals.
+    fn finish(self, proposals: &[&[u32]]) -> Result<Vec<RoundOutcome>> {
+        let w = self.cols;
+        let public = self.public_vocab;
+        let (accepted, out_len, tokens) = (
+            self.accepted.wait()?,
+            self.out_len.wait()?,
+            self.tokens.wait()?,
+        );
+        let mut out = Vec::with_capacity(proposals.len());
+        for (r, props) in proposals.iter().enumerate() {
+            let np = props.len();
             let bad = |reason: String| VerifyError::DeviceOutcome { row: r, reason };
             let a = usize::try_from(accepted[r])
                 .ok()
@@ -890,7 +1072,7 @@ impl VerifyWorkspace {
                 return Err(bad(format!("out_len = {} with A = {a}", out_len[r])));
             }
             let ys = &tokens[r * w..r * w + a + 1];
-            for (j, (&y, &d)) in ys.iter().zip(row.proposals).take(a).enumerate() {
+            for (j, (&y, &d)) in ys.iter().zip(*props).take(a).enumerate() {
                 if y != d as i32 {
                     return Err(bad(format!(
                         "output {} = {y}, proposal d_{} = {d}",
@@ -913,6 +1095,78 @@ impl VerifyWorkspace {
         }
         Ok(out)
     }
+}
+
+/// What the checks and the staging read of a row, whichever side holds its proposals.
+struct Meta<'a> {
+    anchor: u32,
+    /// `P`.
+    np: usize,
+    settings: SamplingSettings,
+    seed: u64,
+    frontier: u64,
+    history: &'a TokenHistory,
+}
+
+impl<'a> Meta<'a> {
+    fn of(r: &VerifyRow<'a>) -> Self {
+        Meta {
+            anchor: r.anchor,
+            np: r.proposals.len(),
+            settings: r.settings,
+            seed: r.seed,
+            frontier: r.frontier,
+            history: r.history,
+        }
+    }
+
+    fn of_device(r: &DeviceRow<'a>) -> Self {
+        Meta {
+            anchor: r.anchor,
+            np: r.proposals,
+            settings: r.settings,
+            seed: r.seed,
+            frontier: r.frontier,
+            history: r.history,
+        }
+    }
+}
+
+/// One row of a device-resident verification ([`VerifyWorkspace::verify_device`]): a
+/// [`VerifyRow`] whose proposals (and q) stay on the device.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRow<'a> {
+    /// The anchor `a = x_F` (the last token of `history`).
+    pub anchor: u32,
+    /// `P <= K`: the first `P` of the row's `K` device proposals are verified.
+    pub proposals: usize,
+    /// The request's sampling settings.
+    pub settings: SamplingSettings,
+    /// The request seed.
+    pub seed: u64,
+    /// The frontier `F`.
+    pub frontier: u64,
+    /// Tokens `x_0 ..= x_F`.
+    pub history: &'a TokenHistory,
+}
+
+/// A round's proposals on the device, as the draft left them: row `r` of the batch is row
+/// `r` of these buffers (rows past the batch are ignored).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceProposals<'a> {
+    /// Proposals `[rows, K]` I32: row `r`'s `d_1 .. d_K` at `r * K`.
+    pub ids: &'a Buffer<i32>,
+    /// DFlash2: the retained distributions (`None` for DFlash's one-hot q).
+    pub top16: Option<DeviceTop16<'a>>,
+}
+
+/// DFlash2's retained q on the device: column `j` of row `r` at `(r * K + j) * 16`.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceTop16<'a> {
+    /// Global candidate ids `[rows, K, 16]` I32.
+    pub candidates: &'a Buffer<i32>,
+    /// Their probabilities `[rows, K, 16]` F32.
+    pub q: &'a Buffer<f32>,
 }
 
 /// The logits checks of the `target_distribution` contract for live column `i` of row `r`

@@ -1645,3 +1645,126 @@ fn batches_of_every_size_run_on_their_rows_with_buffers_planned_once() {
         "{bytes}"
     );
 }
+
+/// A device-resident verification (proposals, candidates and q left in device buffers laid
+/// out as the draft writes them, `[rows, K]` and `[rows, K, 16]`, with spare rows past the
+/// batch) gives exactly the host path's outcomes and returns the verified proposals; the
+/// buffers' kind and length are checked first, a non-public proposal on the device is a
+/// typed error at `wait`.
+#[test]
+fn device_proposals_verify_like_host_proposals() {
+    let (w, v, pv) = (6, 80, 70);
+    let k = w - 1;
+    let be = Backend::cpu();
+    for kind in [ProposalKind::OneHot, ProposalKind::Top16] {
+        let rows = mixed_rows(5, w, v, pv, 1234);
+        let refs: Vec<&MixedRow> = rows.iter().collect();
+        let mut host_ws = workspace(8, w, v, pv, kind);
+        let want = run_mixed(&mut host_ws, &refs, kind);
+        // The draft's layout, one spare row (a padded bucket), junk past each row's P.
+        let spare = rows.len() + 1;
+        let (mut ids, mut cand, mut q) = (
+            vec![7i32; spare * k],
+            vec![0i32; spare * k * TOP],
+            vec![0f32; spare * k * TOP],
+        );
+        for (r, row) in rows.iter().enumerate() {
+            for (j, &d) in row.props.iter().enumerate() {
+                ids[r * k + j] = d as i32;
+                let rq = &row.q[j];
+                for s in 0..TOP {
+                    cand[(r * k + j) * TOP + s] = rq.ids[s] as i32;
+                    q[(r * k + j) * TOP + s] = rq.q[s];
+                }
+            }
+        }
+        let (ids_b, cand_b, q_b) = (
+            be.upload(&ids).expect("up"),
+            be.upload(&cand).expect("up"),
+            be.upload(&q).expect("up"),
+        );
+        let dp = dflash_verify::DeviceProposals {
+            ids: &ids_b,
+            top16: match kind {
+                ProposalKind::OneHot => None,
+                ProposalKind::Top16 => Some(dflash_verify::DeviceTop16 {
+                    candidates: &cand_b,
+                    q: &q_b,
+                }),
+            },
+        };
+        let drows: Vec<dflash_verify::DeviceRow<'_>> = rows
+            .iter()
+            .map(|r| dflash_verify::DeviceRow {
+                anchor: r.hist.last().expect("history"),
+                proposals: r.props.len(),
+                settings: r.s,
+                seed: r.seed,
+                frontier: r.hist.len() - 1,
+                history: &r.hist,
+            })
+            .collect();
+        let logits: Vec<f32> = rows.iter().flat_map(|r| r.logits.iter().copied()).collect();
+        let lb = be.upload(&logits).expect("up");
+        let mut ws = workspace(8, w, v, pv, kind);
+        let pending = ws
+            .verify_device(&be, &drows, &dp, TargetLogits::padded(&lb))
+            .expect("device verify");
+        let (got, props) = pending.wait().expect("wait");
+        assert_eq!(
+            got, want,
+            "{kind:?}: device proposals verify like host ones"
+        );
+        let want_props: Vec<Vec<u32>> = rows.iter().map(|r| r.props.clone()).collect();
+        assert_eq!(props, want_props);
+        // The wrong kind and short buffers are refused before anything runs.
+        let other = dflash_verify::DeviceProposals {
+            ids: &ids_b,
+            top16: match kind {
+                ProposalKind::OneHot => Some(dflash_verify::DeviceTop16 {
+                    candidates: &cand_b,
+                    q: &q_b,
+                }),
+                ProposalKind::Top16 => None,
+            },
+        };
+        assert!(matches!(
+            ws.verify_device(&be, &drows, &other, TargetLogits::padded(&lb)),
+            Err(VerifyError::ProposalKind { .. })
+        ));
+        let short = be.upload(&ids[..rows.len() * k - 1]).expect("up");
+        assert!(matches!(
+            ws.verify_device(
+                &be,
+                &drows,
+                &dflash_verify::DeviceProposals { ids: &short, ..dp },
+                TargetLogits::padded(&lb)
+            ),
+            Err(VerifyError::DeviceProposals { tensor: "ids", .. })
+        ));
+        // A non-public id on the device (row 0 needs a proposal for the check to bite).
+        if let Some(r) = rows.iter().position(|r| !r.props.is_empty()) {
+            let mut bad = ids.clone();
+            bad[r * k] = pv as i32 + 1;
+            let bad_b = be.upload(&bad).expect("up");
+            match ws.verify_device(
+                &be,
+                &drows,
+                &dflash_verify::DeviceProposals { ids: &bad_b, ..dp },
+                TargetLogits::padded(&lb),
+            ) {
+                // The CPU chain_accept checks its caller guarantee (the proposal among the
+                // candidates) itself.
+                Err(VerifyError::Ops(_)) => assert_eq!(kind, ProposalKind::Top16),
+                Ok(pending) => assert!(matches!(
+                    pending.wait(),
+                    Err(VerifyError::NonPublicToken {
+                        role: TokenRole::Proposal(1),
+                        ..
+                    })
+                )),
+                Err(other) => panic!("{other}"),
+            }
+        }
+    }
+}

@@ -1288,6 +1288,47 @@ impl CudaBackend {
         self.synchronize()
     }
 
+    /// A strided device-to-device copy (`cuMemcpy2DAsync`); the caller checked the ranges.
+    #[allow(clippy::too_many_arguments)] // reason: a 2-D copy's source and destination geometry
+    pub(crate) fn copy_rows<T: Element>(
+        &self,
+        src: &Buffer<T>,
+        src_offset: usize,
+        src_stride: usize,
+        dst: &mut Buffer<T>,
+        dst_offset: usize,
+        dst_stride: usize,
+        len: usize,
+        rows: usize,
+    ) -> Result<()> {
+        use cudarc::driver::{DevicePtr, DevicePtrMut, sys};
+        let size = std::mem::size_of::<T>();
+        let s = src.device("copy_rows", "src")?;
+        let (src_ptr, _order) = s.device_ptr(&self.inner.stream);
+        let d = dst.device_mut("copy_rows", "dst")?;
+        let (dst_ptr, _order2) = d.device_ptr_mut(&self.inner.stream);
+        // SAFETY: an all-zero CUDA_MEMCPY2D is a valid starting value (null pointers, host
+        // memory type 0 is overwritten below).
+        let mut desc: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+        desc.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        desc.srcDevice = src_ptr + (src_offset * size) as u64;
+        desc.srcPitch = src_stride * size;
+        desc.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        desc.dstDevice = dst_ptr + (dst_offset * size) as u64;
+        desc.dstPitch = dst_stride * size;
+        desc.WidthInBytes = len * size;
+        desc.Height = rows;
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context for a strided copy"))?;
+        // SAFETY: both ranges lie in live allocations of this context (checked by
+        // `Backend::copy_rows`); the copy is queued on the backend's stream.
+        let r = unsafe { sys::cuMemcpy2DAsync_v2(&desc, self.inner.stream.cu_stream()) };
+        r.result()
+            .map_err(cuda_err("copying device to device (strided)"))
+    }
+
     pub(crate) fn copy<T: Element>(
         &self,
         src: &Buffer<T>,

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 
 use dflash_engine::TargetLogits;
 use dflash_engine::{
-    Commit, PrefillOutput, SeqHandle, Target, TargetCheckpoint, TargetError, TargetInfo,
-    VerifyBatch, VerifyView,
+    Commit, DeviceVerifyBatch, PrefillOutput, SeqHandle, Target, TargetCheckpoint, TargetError,
+    TargetInfo, VerifyBatch, VerifyView,
 };
 use dflash_ops::target_distribution::Logits;
 use dflash_ops::{Backend, Buffer, Element, bf16};
@@ -248,6 +248,40 @@ impl Target for ReplayTarget {
         self.current = Some(i);
         Ok(())
     }
+    /// A device round's verify: nothing is read (the input ids stay unread, as a target
+    /// that embeds from device ids would leave them); the live column counts must match the
+    /// recording (a divergence shows in the outputs, which the check compares).
+    fn verify_device(
+        &mut self,
+        _be: &Backend,
+        batch: &DeviceVerifyBatch<'_>,
+    ) -> Result<(), TargetError> {
+        for &seq in batch.seqs {
+            self.seq(seq)?;
+        }
+        let i = self.next;
+        match self.verifies.get(i) {
+            Some(v)
+                if v.tokens.len() == batch.seqs.len()
+                    && v.tokens
+                        .iter()
+                        .zip(batch.columns)
+                        .all(|(t, &q)| t.len() == q) => {}
+            _ => self.diverged = true,
+        }
+        if i >= self.verifies.len() {
+            return Err(TargetError::NothingVerified);
+        }
+        for (&seq, &q) in batch.seqs.iter().zip(batch.columns) {
+            if let Some(s) = self.seqs.get_mut(&seq.raw()) {
+                s.1 = Some(q);
+            }
+        }
+        self.next += 1;
+        self.current = Some(i);
+        Ok(())
+    }
+
     fn verified(&self) -> Result<VerifyView<'_>, TargetError> {
         let v = self
             .current

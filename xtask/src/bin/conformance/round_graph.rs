@@ -61,11 +61,24 @@ struct Run {
     rounds: Vec<Vec<(Vec<u32>, usize, Vec<u32>, usize)>>,
 }
 
-/// Run `requests` to the end; also the wall time of each step (µs) and the live rows of each.
+/// What a run cost on the backend after its first round (which admits every request):
+/// rounds, device allocations and host synchronizations.
+#[derive(Clone, Copy, Default)]
+struct Costs {
+    rounds: u64,
+    allocations: u64,
+    synchronizations: u64,
+}
+
+/// Run `requests` to the end; also the wall time of each step (µs), the live rows of each and
+/// the costs after the first round.
 fn drive<T: Target, P: Proposer>(
     engine: &mut Engine<T, P>,
     requests: Vec<Request>,
-) -> Result<(Run, Vec<f64>, Vec<usize>)> {
+) -> Result<(Run, Vec<f64>, Vec<usize>, Costs)> {
+    let be = engine.backend().clone();
+    let mut warm: Option<(u64, u64)> = None;
+    let mut costs = Costs::default();
     let ids: Vec<_> = requests
         .into_iter()
         .map(|r| engine.submit(r))
@@ -90,6 +103,16 @@ fn drive<T: Target, P: Proposer>(
         }
         times.push(us);
         live.push(step.rows.len());
+        match warm {
+            None => warm = Some((be.allocations(), be.synchronizations())),
+            Some((a, s)) => {
+                costs = Costs {
+                    rounds: costs.rounds + 1,
+                    allocations: be.allocations() - a,
+                    synchronizations: be.synchronizations() - s,
+                };
+            }
+        }
         rounds.push(
             step.rows
                 .iter()
@@ -104,7 +127,7 @@ fn drive<T: Target, P: Proposer>(
                 .collect(),
         );
     }
-    Ok((Run { outputs, rounds }, times, live))
+    Ok((Run { outputs, rounds }, times, live, costs))
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -162,6 +185,10 @@ pub struct RoundTiming {
     pub round_eager_us: f64,
     pub propose_us: f64,
     pub rest_us: f64,
+    /// Over the replayed (graph) rounds after the first: device allocations and host
+    /// synchronizations per round.
+    pub allocations_per_round: f64,
+    pub syncs_per_round: f64,
 }
 
 pub struct RoundGraphResult {
@@ -202,8 +229,8 @@ pub fn check() -> Result<RoundGraphResult> {
                 eager.proposer().graph_profiles().is_empty(),
                 "the eager engine captured graphs"
             );
-            let (g, mut gt, live) = drive(&mut graph, requests(temperature))?;
-            let (e, mut et, _) = drive(&mut eager, requests(temperature))?;
+            let (g, mut gt, live, _) = drive(&mut graph, requests(temperature))?;
+            let (e, mut et, _, _) = drive(&mut eager, requests(temperature))?;
             let mut distinct = live.clone();
             distinct.sort_unstable_by(|a, b| b.cmp(a));
             distinct.dedup();
@@ -264,17 +291,23 @@ fn round_timing(
     }
     let recorder = Recorder::new(fx.target().map_err(|e| anyhow!("target: {e}"))?);
     let mut rec = engine(fx, be, backend, recorder, false)?;
-    let (want, _, _) = drive(&mut rec, requests(0.0))?;
+    let (want, _, _, _) = drive(&mut rec, requests(0.0))?;
     let mut replay = rec.into_parts().0.into_replay();
     let mut medians = Vec::new();
     let mut reproduced = true;
     let mut rests = Vec::new();
     let mut proposes = Vec::new();
     let mut rounds = 0;
+    let (mut allocations_per_round, mut syncs_per_round) = (f64::NAN, f64::NAN);
     for eager in [false, true] {
         replay.rewind();
         let mut e = engine(fx, be, backend, replay, eager)?;
-        let (got, mut times, live) = drive(&mut e, requests(0.0))?;
+        let (got, mut times, live, costs) = drive(&mut e, requests(0.0))?;
+        if !eager {
+            let per = |x: u64| x as f64 / costs.rounds.max(1) as f64;
+            allocations_per_round = per(costs.allocations);
+            syncs_per_round = per(costs.synchronizations);
+        }
         replay = e.into_parts().0;
         reproduced &= got == want && !replay.diverged();
         if !eager {
@@ -298,6 +331,8 @@ fn round_timing(
         round_eager_us: medians[1],
         propose_us: median(&mut proposes),
         rest_us: median(&mut rests),
+        allocations_per_round,
+        syncs_per_round,
     })
 }
 
@@ -434,12 +469,14 @@ bookkeeping), greedy, medians over the rounds: the round (`Engine::step`), the d
 round's live rows (graph, from the table above), and the rest of the round (round minus propose: \
 materialize, the verification ops, the round's reads and the engine's host work).\n\n| draft | rounds | \
 replay reproduces the recording | round graph (µs) | round eager (µs) | propose (µs) | rest (µs) | \
-rest / round | pass |\n|---|---|---|---|---|---|---|---|---|\n",
+rest / round | allocations / round | synchronizations / round | pass |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
             );
             for t in &r.rounds {
-                ok &= t.reproduced;
+                let pass =
+                    t.reproduced && t.allocations_per_round == 0.0 && t.syncs_per_round <= 1.0;
+                ok &= pass;
                 s.push_str(&format!(
-                    "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {} |\n",
+                    "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {} |\n",
                     t.backend,
                     t.rounds,
                     if t.reproduced { "yes" } else { "NO" },
@@ -448,7 +485,9 @@ rest / round | pass |\n|---|---|---|---|---|---|---|---|---|\n",
                     t.propose_us,
                     t.rest_us,
                     t.rest_us / t.round_graph_us,
-                    if t.reproduced { "pass" } else { "FAIL" }
+                    t.allocations_per_round,
+                    t.syncs_per_round,
+                    if pass { "pass" } else { "FAIL" }
                 ));
             }
             (s, ok)
