@@ -1307,17 +1307,24 @@ impl CudaBackend {
         let (src_ptr, _order) = s.device_ptr(&self.inner.stream);
         let d = dst.device_mut("copy_rows", "dst")?;
         let (dst_ptr, _order2) = d.device_ptr_mut(&self.inner.stream);
-        // SAFETY: an all-zero CUDA_MEMCPY2D is a valid starting value (null pointers, host
-        // memory type 0 is overwritten below).
-        let mut desc: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-        desc.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        desc.srcDevice = src_ptr + (src_offset * size) as u64;
-        desc.srcPitch = src_stride * size;
-        desc.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        desc.dstDevice = dst_ptr + (dst_offset * size) as u64;
-        desc.dstPitch = dst_stride * size;
-        desc.WidthInBytes = len * size;
-        desc.Height = rows;
+        let desc = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src_ptr + (src_offset * size) as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_stride * size,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst_ptr + (dst_offset * size) as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_stride * size,
+            WidthInBytes: len * size,
+            Height: rows,
+        };
         self.inner
             .ctx
             .bind_to_thread()
