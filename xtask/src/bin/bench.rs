@@ -11,6 +11,10 @@
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
 //! `dflash-bench --profile dflash|dflash2 [--shape B,K,CTX]`: two eager draft blocks (default
 //! B=1, K=7, 2048 context) after a warm-up, for Nsight Compute (`ncu --clock-control none ...`).
+//! `dflash-bench --engine-round [--shape B,K,CTX] [--out DIR] [--commit HASH]`: whole engine
+//! rounds over a GPU-resident stand-in target against the draft block alone (default shapes
+//! B in {1, 8}, K = 15, context 2048; writes `DIR/engine-round.{md,json}`; see
+//! `engine_round.rs`).
 //!
 //! Rows:
 //! - `sliding_window_attention`, `softmax_attention`: one call of the op over B requests of
@@ -30,6 +34,8 @@
 //! warm-up; the time per call is the median over 7 timed replays (CUDA events).
 //! Floor rate: 4.1 TB/s (the practical H200 copy rate of GPU.md).
 
+#[path = "../engine_round.rs"]
+mod engine_round;
 #[path = "../report.rs"]
 mod report;
 
@@ -612,6 +618,110 @@ fn profile(cuda: &CudaBackend, which: &str, shape: Option<(usize, usize, usize)>
     Ok(())
 }
 
+/// `--engine-round`: per draft and shape, the draft block's graph replay and the engine's
+/// whole round over the stand-in target.
+fn engine_rounds(
+    cuda: &CudaBackend,
+    shape: Option<(usize, usize, usize)>,
+    out: Option<&str>,
+    commit: &str,
+    command: &str,
+) -> Result<()> {
+    let be = Backend::Cuda(cuda.clone());
+    let shapes = shape.map_or_else(|| vec![(1, 15, 2048), (8, 15, 2048)], |s| vec![s]);
+    let info = cuda.device_info()?;
+    let mut md = format!(
+        "# Engine rounds over a GPU-resident stand-in target\n\n\
+         - date: {}\n- GPU: {} ({}), driver {}, CUDA (driver API) {}\n- commit: {commit}\n\
+         - command: `{command}`\n\
+         - round: median `Engine::step` wall time of 30 rounds of B live rows after 3 warm-up \
+         rounds (graph profiles; the stand-in target lends fixed device logits and features, \
+         its verify is bookkeeping); block: the draft block alone, CUDA-graph replay (CUDA \
+         events); rest = round - block: the batched materialize, the verification ops, the \
+         round's one read and the engine's host work\n\n\
+         | draft | B | K | context | block us | round us | rest us | rest / round | \
+         allocations / round | synchronizations / round | every round replayed |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
+        utc_now(),
+        info.name,
+        info.arch,
+        driver_version(),
+        info.driver_cuda_version,
+    );
+    let mut json = Vec::new();
+    for d in &DRAFTS {
+        for &(b, k, ctx) in &shapes {
+            let s = setup(&be, d.backend)?;
+            let block = bench_block(cuda, &s, d, b, k, ctx)?;
+            let Setup {
+                g,
+                model,
+                embedding,
+                head,
+            } = s;
+            let f32s = |n: usize, seed: u64| random_buf(&be, n, seed, |x| 4.0 * x);
+            let bf16s = |n: usize, seed: u64| random_buf(&be, n, seed, bf);
+            let r = engine_round::time_rounds(
+                &be,
+                &g,
+                model,
+                embedding,
+                head,
+                &engine_round::RoundSpec {
+                    backend: d.backend,
+                    rows: b,
+                    k,
+                    context: ctx,
+                    eager: false,
+                },
+                &f32s,
+                &bf16s,
+            )?;
+            let rest = r.median_us - block.median_us;
+            eprintln!(
+                "{} B={b} K={k} ctx={ctx}: block {:.1} us, round {:.1} us, rest {:.1} us ({:.2}),                  {:.2} allocations and {:.2} synchronizations per round",
+                d.name,
+                block.median_us,
+                r.median_us,
+                rest,
+                rest / r.median_us,
+                r.allocations_per_round,
+                r.syncs_per_round
+            );
+            md.push_str(&format!(
+                "| {} | {b} | {k} | {ctx} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} |\n",
+                d.name,
+                block.median_us,
+                r.median_us,
+                rest,
+                rest / r.median_us,
+                r.allocations_per_round,
+                r.syncs_per_round,
+                if r.replayed { "yes" } else { "NO" }
+            ));
+            json.push(serde_json::json!({
+                "draft": d.name, "B": b, "K": k, "context": ctx,
+                "block_us": (block.median_us * 10.0).round() / 10.0,
+                "round_us": (r.median_us * 10.0).round() / 10.0,
+                "rest_us": (rest * 10.0).round() / 10.0,
+                "allocations_per_round": r.allocations_per_round,
+                "synchronizations_per_round": r.syncs_per_round,
+                "rounds": r.rounds, "replayed": r.replayed,
+            }));
+        }
+    }
+    println!("{md}");
+    if let Some(dir) = out {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(format!("{dir}/engine-round.md"), &md)?;
+        std::fs::write(
+            format!("{dir}/engine-round.json"),
+            serde_json::to_string_pretty(&json)?,
+        )?;
+    }
+    Ok(())
+}
+
 /// The issue's target for a row (description, met?), or None.
 fn target(r: &Row, rows: &[Row]) -> Option<(String, bool)> {
     match r.op {
@@ -718,6 +828,9 @@ fn main() -> Result<()> {
     };
     if let Some(which) = value("--profile")? {
         return profile(&cuda, &which, shape);
+    }
+    if args.iter().any(|a| a == "--engine-round") {
+        return engine_rounds(&cuda, shape, out.as_deref(), &commit, &args.join(" "));
     }
     let listed: &[(usize, usize, usize)] = if quick {
         &[(1, 7, 2048), (8, 15, 4096)]

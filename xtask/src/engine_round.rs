@@ -1,0 +1,308 @@
+//! `dflash-bench --engine-round`: whole engine rounds (`Engine::step`) of an official draft
+//! (synthetic weights) over a GPU-resident stand-in target, against the draft block alone.
+//!
+//! The stand-in target ([`StandIn`]) serves fixed device logits and features: its verify is
+//! bookkeeping only (it never reads the device ids), so a round's time is the engine's own:
+//! the batched materialize, the draft block (its graph profile), the verification ops, the
+//! round's one read and the engine's host work. The logits are random, so the target rejects
+//! almost every proposal (each round commits about one token); the work per round is the
+//! same at any acceptance (the block always proposes K, the verify always covers K + 1
+//! columns per row).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use anyhow::{Result, anyhow, ensure};
+use dflash_engine::{
+    Commit, DeviceVerifyBatch, DraftHead, DraftTargetParts, Engine, EngineOptions, PrefillOutput,
+    Request, SeqHandle, Target, TargetCheckpoint, TargetError, TargetInfo, TargetLogits,
+    VerifyBatch, VerifyView,
+};
+use dflash_ops::{Backend, Buffer, Held, bf16};
+
+/// The image type of the stand-in: it keeps no state images.
+pub struct NoImage;
+
+impl TargetCheckpoint for NoImage {
+    fn frontier(&self) -> usize {
+        0
+    }
+    fn size_bytes(&self) -> usize {
+        0
+    }
+}
+
+fn no_images() -> TargetError {
+    TargetError::IncompatibleCheckpoint {
+        reason: "the stand-in target keeps no state images".into(),
+    }
+}
+
+/// A target that lends fixed device outputs: logits `[B * W, vocab_rows]` F32 and features
+/// `[B * W, feature_width]` BF16 for every verify, a prompt's features from a template.
+pub struct StandIn {
+    info: TargetInfo,
+    logits: Buffer<f32>,
+    features: Buffer<bf16>,
+    /// `[max prompt, feature_width]` prompt features.
+    prompt_features: Buffer<bf16>,
+    seqs: HashMap<u64, (usize, Option<usize>)>,
+    next: u64,
+    verified: bool,
+}
+
+impl StandIn {
+    /// Outputs for `rows x cols` verify columns and prompts of up to `max_prompt` tokens.
+    pub fn new(
+        info: TargetInfo,
+        logits: Buffer<f32>,
+        features: Buffer<bf16>,
+        prompt_features: Buffer<bf16>,
+    ) -> Self {
+        StandIn {
+            info,
+            logits,
+            features,
+            prompt_features,
+            seqs: HashMap::new(),
+            next: 1,
+            verified: false,
+        }
+    }
+
+    fn seq(&self, seq: SeqHandle) -> Result<(usize, Option<usize>), TargetError> {
+        self.seqs
+            .get(&seq.raw())
+            .copied()
+            .ok_or(TargetError::UnknownSequence { seq })
+    }
+
+    fn verify_rows(&mut self, rows: &[(SeqHandle, usize)]) -> Result<(), TargetError> {
+        for &(seq, _) in rows {
+            if let (_, Some(columns)) = self.seq(seq)? {
+                return Err(TargetError::VerifyPending { seq, columns });
+            }
+        }
+        for &(seq, q) in rows {
+            if let Some(s) = self.seqs.get_mut(&seq.raw()) {
+                s.1 = Some(q);
+            }
+        }
+        self.verified = true;
+        Ok(())
+    }
+}
+
+impl Target for StandIn {
+    type Checkpoint = NoImage;
+    fn info(&self) -> &TargetInfo {
+        &self.info
+    }
+    fn create(&mut self) -> Result<SeqHandle, TargetError> {
+        let h = SeqHandle::from_raw(self.next);
+        self.next += 1;
+        self.seqs.insert(h.raw(), (0, None));
+        Ok(h)
+    }
+    fn prefill(
+        &mut self,
+        be: &Backend,
+        seq: SeqHandle,
+        tokens: &[u32],
+    ) -> Result<PrefillOutput, TargetError> {
+        let (f, _) = self.seq(seq)?;
+        let fw = self.info.feature_width();
+        let n = tokens.len() * fw;
+        if n > self.prompt_features.len() {
+            return Err(TargetError::CapacityExceeded {
+                seq,
+                frontier: f,
+                columns: tokens.len(),
+                max_positions: self.prompt_features.len() / fw,
+            });
+        }
+        let mut features = be.zeros(n)?;
+        be.copy(&self.prompt_features, 0, &mut features, 0, n)?;
+        let v = self.info.vocab_rows;
+        let mut last_logits = be.zeros(v)?;
+        be.copy(&self.logits, 0, &mut last_logits, 0, v)?;
+        self.seqs.insert(seq.raw(), (f + tokens.len(), None));
+        Ok(PrefillOutput {
+            features,
+            last_logits,
+        })
+    }
+    fn frontier(&self, seq: SeqHandle) -> Result<usize, TargetError> {
+        Ok(self.seq(seq)?.0)
+    }
+    fn pending(&self, seq: SeqHandle) -> Result<Option<usize>, TargetError> {
+        Ok(self.seq(seq)?.1)
+    }
+    fn verify(&mut self, _be: &Backend, batch: &VerifyBatch<'_>) -> Result<(), TargetError> {
+        let rows: Vec<_> = batch.rows.iter().map(|r| (r.seq, r.tokens.len())).collect();
+        self.verify_rows(&rows)
+    }
+    /// Bookkeeping only: the device ids are never read.
+    fn verify_device(
+        &mut self,
+        _be: &Backend,
+        batch: &DeviceVerifyBatch<'_>,
+    ) -> Result<(), TargetError> {
+        let rows: Vec<_> = batch
+            .seqs
+            .iter()
+            .copied()
+            .zip(batch.columns.iter().copied())
+            .collect();
+        self.verify_rows(&rows)
+    }
+    fn verified(&self) -> Result<VerifyView<'_>, TargetError> {
+        if !self.verified {
+            return Err(TargetError::NothingVerified);
+        }
+        Ok(VerifyView {
+            logits: TargetLogits::padded(&self.logits),
+            features: &self.features,
+        })
+    }
+    fn commit(&mut self, commits: &[Commit]) -> Result<(), TargetError> {
+        for c in commits {
+            let (f, pending) = self.seq(c.seq)?;
+            if pending.is_none() {
+                return Err(TargetError::NoPendingVerify { seq: c.seq });
+            }
+            self.seqs.insert(c.seq.raw(), (f + c.rows(), None));
+        }
+        Ok(())
+    }
+    fn fork(&mut self, _seq: SeqHandle) -> Result<SeqHandle, TargetError> {
+        Err(no_images())
+    }
+    fn checkpoint(&self, _seq: SeqHandle) -> Result<NoImage, TargetError> {
+        Err(no_images())
+    }
+    fn restore(&mut self, _seq: SeqHandle, _image: &NoImage) -> Result<(), TargetError> {
+        Err(no_images())
+    }
+    fn release(&mut self, seq: SeqHandle) -> Result<(), TargetError> {
+        self.seqs
+            .remove(&seq.raw())
+            .map(|_| ())
+            .ok_or(TargetError::UnknownSequence { seq })
+    }
+}
+
+/// What the timed rounds of one engine cost.
+pub struct RoundStats {
+    /// Median `Engine::step` wall time of a round of B rows (µs).
+    pub median_us: f64,
+    /// Rounds timed.
+    pub rounds: usize,
+    /// Device allocations and host synchronizations per timed round.
+    pub allocations_per_round: f64,
+    pub syncs_per_round: f64,
+    /// Whether the draft block replayed a graph profile in every timed round.
+    pub replayed: bool,
+}
+
+/// Everything an engine round needs besides the draft model and parts.
+pub struct RoundSpec {
+    pub backend: dflash_config::Backend,
+    pub rows: usize,
+    pub k: usize,
+    pub context: usize,
+    pub eager: bool,
+}
+
+/// Build the engine over the stand-in target, admit B requests with `context`-token prompts,
+/// run 3 warm-up rounds and time 30.
+pub fn time_rounds(
+    be: &Backend,
+    g: &dflash_config::Geometry,
+    model: dflash_draft::DraftModel,
+    embedding: Buffer<bf16>,
+    head: Buffer<bf16>,
+    spec: &RoundSpec,
+    random_buf_f32: &dyn Fn(usize, u64) -> Result<Buffer<f32>>,
+    random_buf_bf16: &dyn Fn(usize, u64) -> Result<Buffer<bf16>>,
+) -> Result<RoundStats> {
+    let (b, k, ctx) = (spec.rows, spec.k, spec.context);
+    let w = k + 1;
+    let public = g
+        .public_vocab_size
+        .ok_or_else(|| anyhow!("the official geometry names its public vocabulary"))?
+        as usize;
+    let info = TargetInfo {
+        hidden: g.hidden as usize,
+        layers: g.target_layers as usize,
+        vocab_rows: g.vocab_rows as usize,
+        public_vocab: public,
+        capture_ids: g.target_layer_ids.iter().map(|&i| i as usize).collect(),
+        max_positions: 1 << 24,
+        supports_trees: false,
+    };
+    let fw = info.feature_width();
+    let target = StandIn::new(
+        info,
+        random_buf_f32(b * w * g.vocab_rows as usize, 51)?,
+        random_buf_bf16(b * w * fw, 52)?,
+        random_buf_bf16(ctx * fw, 53)?,
+    );
+    let parts = DraftTargetParts {
+        vocab_rows: g.vocab_rows as usize,
+        public_vocab: public,
+        embedding: Held::Owned(embedding),
+        head: DraftHead::Full {
+            output_head: Held::Owned(head),
+        },
+    };
+    let max_new = 200;
+    let options = EngineOptions {
+        startup: dflash_config::StartupOptions {
+            concurrency: b as u32,
+            ..dflash_config::StartupOptions::new(spec.backend, k as u32)
+        },
+        max_context: ctx + max_new + w,
+        page_size: 64,
+        memory_budget: u64::MAX,
+        eager: spec.eager,
+    };
+    let mut engine = Engine::with_draft(target, model, parts, &options)?;
+    for r in 0..b {
+        let prompt: Vec<u32> = (0..ctx)
+            .map(|i| ((i * 7 + r * 13) % 1000 + 10) as u32)
+            .collect();
+        engine.submit(Request {
+            seed: 3 + r as u64,
+            ..Request::greedy(prompt, max_new)
+        })?;
+    }
+    let mut sink = |_: &dflash_engine::Event| {};
+    // Admission and warm-up rounds.
+    for _ in 0..4 {
+        engine.step(&mut sink)?;
+    }
+    let (a0, s0, r0) = (
+        be.allocations(),
+        be.synchronizations(),
+        engine.proposer().graph_replays(),
+    );
+    let mut times = Vec::new();
+    for _ in 0..30 {
+        let t0 = Instant::now();
+        let step = engine.step(&mut sink)?;
+        times.push(t0.elapsed().as_secs_f64() * 1e6);
+        let rows = step.map_or(0, |s| s.rows.len());
+        ensure!(rows == b, "a timed round ran {rows} rows, not {b}");
+    }
+    let n = times.len();
+    let replays = engine.proposer().graph_replays() - r0;
+    times.sort_by(f64::total_cmp);
+    Ok(RoundStats {
+        median_us: times[n / 2],
+        rounds: n,
+        allocations_per_round: (be.allocations() - a0) as f64 / n as f64,
+        syncs_per_round: (be.synchronizations() - s0) as f64 / n as f64,
+        replayed: replays == n as u64,
+    })
+}
