@@ -203,6 +203,12 @@ pub struct RoundStats {
     pub syncs_per_round: f64,
     /// Whether the draft block replayed a graph profile in every timed round.
     pub replayed: bool,
+    /// The round's parts alone, each queued then waited for (median µs over 20): the draft's
+    /// propose (stage + block graph + verify-input assembly), the batched materialize of one
+    /// verified row per request, and the verification ops with their one read.
+    pub propose_us: f64,
+    pub materialize_us: f64,
+    pub verify_us: f64,
 }
 
 /// Everything an engine round needs besides the draft model and parts.
@@ -297,12 +303,118 @@ pub fn time_rounds(
     }
     let n = times.len();
     let replays = engine.proposer().graph_replays() - r0;
+    let (allocations_per_round, syncs_per_round) = (
+        (be.allocations() - a0) as f64 / n as f64,
+        (be.synchronizations() - s0) as f64 / n as f64,
+    );
     times.sort_by(f64::total_cmp);
+    let (target, proposer) = engine.into_parts();
+    let parts = time_parts(be, target, proposer, b, k)?;
     Ok(RoundStats {
         median_us: times[n / 2],
         rounds: n,
-        allocations_per_round: (be.allocations() - a0) as f64 / n as f64,
-        syncs_per_round: (be.synchronizations() - s0) as f64 / n as f64,
+        allocations_per_round,
+        syncs_per_round,
         replayed: replays == n as u64,
+        propose_us: parts.0,
+        materialize_us: parts.1,
+        verify_us: parts.2,
     })
+}
+
+/// The median of `v` (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Time the round's parts alone on the engine's proposer (its requests still admitted):
+/// (propose, materialize, verify) medians in µs.
+fn time_parts(
+    be: &Backend,
+    target: StandIn,
+    mut proposer: dflash_engine::DraftProposer<'static>,
+    b: usize,
+    k: usize,
+) -> Result<(f64, f64, f64)> {
+    use dflash_engine::{ProposeRow, Proposer};
+    let info = target.info().clone();
+    let slots = proposer.store().handles();
+    ensure!(slots.len() == b, "{} admitted slots, not {b}", slots.len());
+    let frontiers: Vec<usize> = slots
+        .iter()
+        .map(|&h| proposer.store().frontier(h))
+        .collect::<std::result::Result<_, _>>()?;
+    let histories: Vec<Vec<u32>> = frontiers
+        .iter()
+        .map(|&f| (0..=f).map(|i| (i % 1000 + 10) as u32).collect())
+        .collect();
+    let token_histories: Vec<dflash_verify::TokenHistory> = histories
+        .iter()
+        .map(|h| dflash_verify::TokenHistory::with_tokens(info.vocab_rows, h))
+        .collect::<std::result::Result<_, _>>()?;
+    let mut verify = dflash_verify::VerifyWorkspace::new(
+        be,
+        dflash_verify::VerifyShape {
+            max_rows: b,
+            cols: k + 1,
+            vocab_rows: info.vocab_rows,
+            public_vocab: info.public_vocab,
+            kind: proposer.kind(),
+        },
+    )?;
+    let (mut tp, mut tm, mut tv) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..20 {
+        // Materialize one verified row per request (pushed first, as after a commit).
+        for &h in &slots {
+            let cov = proposer.coverage(h)?;
+            proposer.push_verified(h, cov.frontier(), &target.features, 0, 1)?;
+        }
+        be.synchronize()?;
+        let t0 = Instant::now();
+        proposer.materialize_all(&slots)?;
+        be.synchronize()?;
+        tm.push(t0.elapsed().as_secs_f64() * 1e6);
+        let rows: Vec<ProposeRow<'_, _>> = slots
+            .iter()
+            .zip(&histories)
+            .map(|(&h, hist)| ProposeRow {
+                slot: h,
+                anchor: *hist.last().unwrap_or(&10),
+                frontier: proposer.store().frontier(h).unwrap_or(0),
+                usable: k,
+                temperature: 0.0,
+                seed: 7,
+                history: hist,
+            })
+            .collect();
+        let t0 = Instant::now();
+        let round = proposer
+            .propose_device(&rows)?
+            .ok_or_else(|| anyhow!("the draft proposer proposes on the device"))?;
+        be.synchronize()?;
+        tp.push(t0.elapsed().as_secs_f64() * 1e6);
+        let drows: Vec<dflash_verify::DeviceRow<'_>> = token_histories
+            .iter()
+            .map(|h| dflash_verify::DeviceRow {
+                anchor: h.last().unwrap_or(10),
+                proposals: k,
+                settings: dflash_verify::SamplingSettings::GREEDY,
+                seed: 7,
+                frontier: h.len() - 1,
+                history: h,
+            })
+            .collect();
+        let t0 = Instant::now();
+        let pending = verify.verify_device(
+            be,
+            &drows,
+            &round.proposals,
+            TargetLogits::padded(&target.logits),
+        )?;
+        // The proposals of random weights need not be public; only the time matters here.
+        let _ = pending.wait();
+        tv.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok((median(&mut tp), median(&mut tm), median(&mut tv)))
 }

@@ -638,10 +638,15 @@ fn engine_rounds(
          rounds (graph profiles; the stand-in target lends fixed device logits and features, \
          its verify is bookkeeping); block: the draft block alone, CUDA-graph replay (CUDA \
          events); rest = round - block: the batched materialize, the verification ops, the \
-         round's one read and the engine's host work\n\n\
+         round's one read and the engine's host work; the parts alone (each queued, then \
+         waited for; median of 20): propose = stage + block graph + verify-input assembly, \
+         materialize = the batched materialize of one verified row per request, verify = the \
+         verification ops and the round's read; host = round - (propose + materialize + \
+         verify): the engine's own work\n\n\
          | draft | B | K | context | block us | round us | rest us | rest / round | \
+         propose us | materialize us | verify us | host us | host / round | \
          allocations / round | synchronizations / round | every round replayed |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         utc_now(),
         info.name,
         info.arch,
@@ -678,23 +683,36 @@ fn engine_rounds(
                 &bf16s,
             )?;
             let rest = r.median_us - block.median_us;
+            let host = r.median_us - (r.propose_us + r.materialize_us + r.verify_us);
             eprintln!(
-                "{} B={b} K={k} ctx={ctx}: block {:.1} us, round {:.1} us, rest {:.1} us ({:.2}),                  {:.2} allocations and {:.2} synchronizations per round",
+                "{} B={b} K={k} ctx={ctx}: block {:.1} us, round {:.1} us, rest {:.1} us \
+                 ({:.2}), propose {:.1}, materialize {:.1}, verify {:.1}, host {:.1} us, \
+                 {:.2} allocations and {:.2} synchronizations per round",
                 d.name,
                 block.median_us,
                 r.median_us,
                 rest,
                 rest / r.median_us,
+                r.propose_us,
+                r.materialize_us,
+                r.verify_us,
+                host,
                 r.allocations_per_round,
                 r.syncs_per_round
             );
             md.push_str(&format!(
-                "| {} | {b} | {k} | {ctx} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} |\n",
+                "| {} | {b} | {k} | {ctx} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | \
+                 {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} |\n",
                 d.name,
                 block.median_us,
                 r.median_us,
                 rest,
                 rest / r.median_us,
+                r.propose_us,
+                r.materialize_us,
+                r.verify_us,
+                host,
+                host / r.median_us,
                 r.allocations_per_round,
                 r.syncs_per_round,
                 if r.replayed { "yes" } else { "NO" }
@@ -704,6 +722,10 @@ fn engine_rounds(
                 "block_us": (block.median_us * 10.0).round() / 10.0,
                 "round_us": (r.median_us * 10.0).round() / 10.0,
                 "rest_us": (rest * 10.0).round() / 10.0,
+                "propose_us": (r.propose_us * 10.0).round() / 10.0,
+                "materialize_us": (r.materialize_us * 10.0).round() / 10.0,
+                "verify_us": (r.verify_us * 10.0).round() / 10.0,
+                "host_us": (host * 10.0).round() / 10.0,
                 "allocations_per_round": r.allocations_per_round,
                 "synchronizations_per_round": r.syncs_per_round,
                 "rounds": r.rounds, "replayed": r.replayed,

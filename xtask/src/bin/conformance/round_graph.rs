@@ -53,12 +53,15 @@ fn requests(temperature: f32) -> Vec<Request> {
         .collect()
 }
 
+/// One row-round as reported: (proposed, accepted, licensed, committed).
+type RowRound = (Vec<u32>, usize, Vec<u32>, usize);
+
 /// What one engine run produced.
 #[derive(PartialEq)]
 struct Run {
     outputs: Vec<Vec<u32>>,
-    /// Per round, per row: (proposed, accepted, licensed, committed).
-    rounds: Vec<Vec<(Vec<u32>, usize, Vec<u32>, usize)>>,
+    /// Per round, per row.
+    rounds: Vec<Vec<RowRound>>,
 }
 
 /// What a run cost on the backend after its first round (which admits every request):
