@@ -18,6 +18,7 @@
 
 #define TD_THREADS 512
 #define TD_MAX_COLS 256
+#define TD_UNROLL 8
 #define TD_MASS_SCALE 1099511627776.0
 
 // Logit loads: f32 as stored, bf16 widened exactly (bf16 is the high half of an f32).
@@ -100,18 +101,38 @@ __device__ __forceinline__ void td_column(
     // Pass 1: the lowest-id argmax and, for a sampled column, z into its p row (scratch).
     float bv = __int_as_float((int)0xff800000u);  // -inf without <math.h> (NVRTC)
     int bi = 0x7fffffff;
-    for (int v = tid; v < public_vocab; v += nt) {
-        long long c = (long long)crow[v];
-        for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
-        float l = td_load(lrow, (size_t)v);
-        if (c > 0) {
-            l = (l > 0.0f) ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
-            l = __fsub_rn(l, __fadd_rn(__fmul_rn(freq, __ll2float_rn(c)), pres));
+    // TD_UNROLL ids a thread at once: their count and logit loads are all issued before the
+    // first is used (one block streams a whole column, so the loads in flight set its rate).
+    // Each thread still visits its ids in ascending order (tid, tid + nt, ...): the same
+    // compares in the same order as one id at a time.
+    for (int v0 = tid; v0 < public_vocab; v0 += nt * TD_UNROLL) {
+        int cv[TD_UNROLL];
+        float lv[TD_UNROLL];
+#pragma unroll
+        for (int u = 0; u < TD_UNROLL; ++u) {
+            const int v = v0 + u * nt;
+            if (v < public_vocab) {
+                cv[u] = crow[v];
+                lv[u] = td_load(lrow, (size_t)v);
+            }
         }
-        float z = greedy ? l : __fdiv_rn(l, T);
-        z = __fadd_rn(z, 0.0f);  // -0 -> +0
-        if (!greedy) out[v] = z;
-        if (z > bv || (z == bv && v < bi)) { bv = z; bi = v; }
+#pragma unroll
+        for (int u = 0; u < TD_UNROLL; ++u) {
+            const int v = v0 + u * nt;
+            if (v < public_vocab) {
+                long long c = (long long)cv[u];
+                for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
+                float l = lv[u];
+                if (c > 0) {
+                    l = (l > 0.0f) ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+                    l = __fsub_rn(l, __fadd_rn(__fmul_rn(freq, __ll2float_rn(c)), pres));
+                }
+                float z = greedy ? l : __fdiv_rn(l, T);
+                z = __fadd_rn(z, 0.0f);  // -0 -> +0
+                if (!greedy) out[v] = z;
+                if (z > bv || (z == bv && v < bi)) { bv = z; bi = v; }
+            }
+        }
     }
     for (int off = 16; off > 0; off >>= 1) {
         float ov = __shfl_down_sync(0xffffffffu, bv, off);
