@@ -199,6 +199,10 @@ fn bad_command_lines_and_files_are_refused_before_anything_is_written() {
             &["`--k`: expected at most once, found it twice"],
         ),
         row(
+            &["--eager", "--eager"],
+            &["`--eager`: expected at most once, found it twice"],
+        ),
+        row(
             &["--mask-token-id", "x"],
             &["`--mask-token-id`: expected a token id", "found `x`"],
         ),
@@ -312,6 +316,14 @@ fn unknown_fields_are_warned_about_and_a_null_mask_runs_with_the_flag() {
         args.extend(quick);
         dflash(&dir, &args)
     };
+
+    // `--eager` (no graph profiles; the CPU runs eagerly anyway) changes nothing else.
+    let out = run(&["--eager"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("check: speculative output == plain greedy"),
+        "--eager runs"
+    );
 
     let out = run(&["--draft-config", &unknown]);
     let stderr = String::from_utf8_lossy(&out.stderr);
