@@ -95,7 +95,9 @@
 //!
 //! CUDA. One block of 512 threads per (row, column); entries `target_distribution_kernel`
 //! (f32 logits) and `target_distribution_bf16_kernel` (bf16 logits, each widened by a 16-bit
-//! shift of its bits). Pass 1 reduces the argmax; a greedy column stores nothing in it and then
+//! shift of its bits). Pass 1 reduces the argmax (each thread issues the count and logit loads
+//! of 8 ids before using them, keeping its ascending visiting order); a greedy column stores
+//! nothing in it and then
 //! writes its one-hot row (`Full`) or its id (`Live`). A sampled column's pass 1 writes `z`
 //! into its own `p` row (scratch); top-k and top-p thresholds are found by a 4-pass radix
 //! select (8 bits per pass) on the order-preserving u32 key of `z` (counts for top-k, u64

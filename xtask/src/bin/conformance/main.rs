@@ -46,6 +46,7 @@ fn run_case(
     suffix: &str,
     rows: &mut Vec<Row>,
 ) {
+    let first_row = rows.len();
     let t1 = Instant::now();
     let device = (case.run)(gpu).and_then(|r| gpu.synchronize().map(|()| r));
     let gpu_ms = t1.elapsed().as_secs_f64() * 1e3;
@@ -89,10 +90,12 @@ fn run_case(
             });
         }
     }
-    let last = rows.last().map(|r| r.cmp.pass).unwrap_or(false);
+    // `ok` only when every output row of the case passed.
+    let case_rows = &rows[first_row..];
+    let all = !case_rows.is_empty() && case_rows.iter().all(|r| r.cmp.pass);
     eprintln!(
         "{:>5} {}/{name} ({cpu_ms:.0} ms cpu, {gpu_ms:.1} ms cuda)",
-        if last { "ok" } else { "FAIL" },
+        if all { "ok" } else { "FAIL" },
         case.op,
     );
 }
