@@ -9,34 +9,16 @@
 //! same at any acceptance (the block always proposes K, the verify always covers K + 1
 //! columns per row).
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{Result, anyhow, ensure};
 use dflash_engine::{
     Commit, DeviceVerifyBatch, DraftHead, DraftTargetParts, Engine, EngineOptions, PrefillOutput,
-    Request, SeqHandle, Target, TargetCheckpoint, TargetError, TargetInfo, TargetLogits,
-    VerifyBatch, VerifyView,
+    Request, SeqHandle, Target, TargetError, TargetInfo, TargetLogits, VerifyBatch, VerifyView,
 };
 use dflash_ops::{Backend, Buffer, Held, bf16};
 
-/// The image type of the stand-in: it keeps no state images.
-pub struct NoImage;
-
-impl TargetCheckpoint for NoImage {
-    fn frontier(&self) -> usize {
-        0
-    }
-    fn size_bytes(&self) -> usize {
-        0
-    }
-}
-
-fn no_images() -> TargetError {
-    TargetError::IncompatibleCheckpoint {
-        reason: "the stand-in target keeps no state images".into(),
-    }
-}
+use crate::stand_in::{NoImage, Sequences};
 
 /// A target that lends fixed device outputs: logits `[B * W, vocab_rows]` F32 and features
 /// `[B * W, feature_width]` BF16 for every verify, a prompt's features from a template.
@@ -46,13 +28,13 @@ pub struct StandIn {
     features: Buffer<bf16>,
     /// `[max prompt, feature_width]` prompt features.
     prompt_features: Buffer<bf16>,
-    seqs: HashMap<u64, (usize, Option<usize>)>,
-    next: u64,
+    seqs: Sequences,
     verified: bool,
 }
 
 impl StandIn {
-    /// Outputs for `rows x cols` verify columns and prompts of up to `max_prompt` tokens.
+    /// Outputs for every verify, and prompt features for prompts of up to
+    /// `prompt_features.len() / feature_width` tokens.
     pub fn new(
         info: TargetInfo,
         logits: Buffer<f32>,
@@ -64,32 +46,9 @@ impl StandIn {
             logits,
             features,
             prompt_features,
-            seqs: HashMap::new(),
-            next: 1,
+            seqs: Sequences::default(),
             verified: false,
         }
-    }
-
-    fn seq(&self, seq: SeqHandle) -> Result<(usize, Option<usize>), TargetError> {
-        self.seqs
-            .get(&seq.raw())
-            .copied()
-            .ok_or(TargetError::UnknownSequence { seq })
-    }
-
-    fn verify_rows(&mut self, rows: &[(SeqHandle, usize)]) -> Result<(), TargetError> {
-        for &(seq, _) in rows {
-            if let (_, Some(columns)) = self.seq(seq)? {
-                return Err(TargetError::VerifyPending { seq, columns });
-            }
-        }
-        for &(seq, q) in rows {
-            if let Some(s) = self.seqs.get_mut(&seq.raw()) {
-                s.1 = Some(q);
-            }
-        }
-        self.verified = true;
-        Ok(())
     }
 }
 
@@ -99,10 +58,7 @@ impl Target for StandIn {
         &self.info
     }
     fn create(&mut self) -> Result<SeqHandle, TargetError> {
-        let h = SeqHandle::from_raw(self.next);
-        self.next += 1;
-        self.seqs.insert(h.raw(), (0, None));
-        Ok(h)
+        Ok(self.seqs.create())
     }
     fn prefill(
         &mut self,
@@ -110,7 +66,7 @@ impl Target for StandIn {
         seq: SeqHandle,
         tokens: &[u32],
     ) -> Result<PrefillOutput, TargetError> {
-        let (f, _) = self.seq(seq)?;
+        let (f, _) = self.seqs.get(seq)?;
         let fw = self.info.feature_width();
         let n = tokens.len() * fw;
         if n > self.prompt_features.len() {
@@ -126,21 +82,23 @@ impl Target for StandIn {
         let v = self.info.vocab_rows;
         let mut last_logits = be.zeros(v)?;
         be.copy(&self.logits, 0, &mut last_logits, 0, v)?;
-        self.seqs.insert(seq.raw(), (f + tokens.len(), None));
+        self.seqs.prefill(seq, tokens.len())?;
         Ok(PrefillOutput {
             features,
             last_logits,
         })
     }
     fn frontier(&self, seq: SeqHandle) -> Result<usize, TargetError> {
-        Ok(self.seq(seq)?.0)
+        Ok(self.seqs.get(seq)?.0)
     }
     fn pending(&self, seq: SeqHandle) -> Result<Option<usize>, TargetError> {
-        Ok(self.seq(seq)?.1)
+        Ok(self.seqs.get(seq)?.1)
     }
     fn verify(&mut self, _be: &Backend, batch: &VerifyBatch<'_>) -> Result<(), TargetError> {
         let rows: Vec<_> = batch.rows.iter().map(|r| (r.seq, r.tokens.len())).collect();
-        self.verify_rows(&rows)
+        self.seqs.verify(&rows)?;
+        self.verified = true;
+        Ok(())
     }
     /// Bookkeeping only: the device ids are never read.
     fn verify_device(
@@ -154,7 +112,9 @@ impl Target for StandIn {
             .copied()
             .zip(batch.columns.iter().copied())
             .collect();
-        self.verify_rows(&rows)
+        self.seqs.verify(&rows)?;
+        self.verified = true;
+        Ok(())
     }
     fn verified(&self) -> Result<VerifyView<'_>, TargetError> {
         if !self.verified {
@@ -166,29 +126,11 @@ impl Target for StandIn {
         })
     }
     fn commit(&mut self, commits: &[Commit]) -> Result<(), TargetError> {
-        for c in commits {
-            let (f, pending) = self.seq(c.seq)?;
-            if pending.is_none() {
-                return Err(TargetError::NoPendingVerify { seq: c.seq });
-            }
-            self.seqs.insert(c.seq.raw(), (f + c.rows(), None));
-        }
-        Ok(())
+        self.seqs.commit(commits)
     }
-    fn fork(&mut self, _seq: SeqHandle) -> Result<SeqHandle, TargetError> {
-        Err(no_images())
-    }
-    fn checkpoint(&self, _seq: SeqHandle) -> Result<NoImage, TargetError> {
-        Err(no_images())
-    }
-    fn restore(&mut self, _seq: SeqHandle, _image: &NoImage) -> Result<(), TargetError> {
-        Err(no_images())
-    }
+    refuse_state_images!();
     fn release(&mut self, seq: SeqHandle) -> Result<(), TargetError> {
-        self.seqs
-            .remove(&seq.raw())
-            .map(|_| ())
-            .ok_or(TargetError::UnknownSequence { seq })
+        self.seqs.release(seq)
     }
 }
 

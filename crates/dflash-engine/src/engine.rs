@@ -794,7 +794,6 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         usable: &[usize],
         seqs: &[SeqHandle],
     ) -> Result<Option<(Vec<Vec<u32>>, Vec<RoundOutcome>)>> {
-        let n = self.active.len();
         let w = self.k + 1;
         let rows = propose_rows(&self.active, usable);
         let Some(round) = self.proposer.propose_device(&rows)? else {
@@ -835,19 +834,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 })
         };
         let read = pending.and_then(|p| p.wait().map_err(EngineError::from));
-        let (outcomes, proposals) = match read {
-            Ok((o, p)) if o.len() == n && p.len() == n => (o, p),
-            Ok((o, _)) => {
-                self.abort_verify(seqs);
-                return Err(EngineError::Proposer {
-                    reason: format!("verification returned {} outcomes for {n} rows", o.len()),
-                });
-            }
-            Err(e) => {
-                self.abort_verify(seqs);
-                return Err(e);
-            }
-        };
+        let (outcomes, proposals) = self.settle(seqs, read)?;
         let inputs = self
             .active
             .iter()
@@ -960,9 +947,21 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                         .map_err(EngineError::from)
                 })
         };
-        match outcomes {
-            Ok(o) if o.len() == n => Ok((inputs, o)),
-            Ok(o) => {
+        let (outcomes, ()) = self.settle(seqs, outcomes.map(|o| (o, ())))?;
+        Ok((inputs, outcomes))
+    }
+
+    /// A verification's result: one outcome per active row, else the target's pending verify
+    /// is released (nothing committed) and the error returned.
+    fn settle<X>(
+        &mut self,
+        seqs: &[SeqHandle],
+        read: Result<(Vec<RoundOutcome>, X)>,
+    ) -> Result<(Vec<RoundOutcome>, X)> {
+        let n = self.active.len();
+        match read {
+            Ok((o, x)) if o.len() == n => Ok((o, x)),
+            Ok((o, _)) => {
                 self.abort_verify(seqs);
                 Err(EngineError::Proposer {
                     reason: format!("verification returned {} outcomes for {n} rows", o.len()),

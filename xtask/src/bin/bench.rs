@@ -34,6 +34,10 @@
 //! warm-up; the time per call is the median over 7 timed replays (CUDA events).
 //! Floor rate: 4.1 TB/s (the practical H200 copy rate of GPU.md).
 
+// First: its macros serve the modules below.
+#[macro_use]
+#[path = "../stand_in.rs"]
+mod stand_in;
 #[path = "../engine_round.rs"]
 mod engine_round;
 #[path = "../report.rs"]
@@ -684,23 +688,7 @@ fn engine_rounds(
             )?;
             let rest = r.median_us - block.median_us;
             let host = r.median_us - (r.propose_us + r.materialize_us + r.verify_us);
-            eprintln!(
-                "{} B={b} K={k} ctx={ctx}: block {:.1} us, round {:.1} us, rest {:.1} us \
-                 ({:.2}), propose {:.1}, materialize {:.1}, verify {:.1}, host {:.1} us, \
-                 {:.2} allocations and {:.2} synchronizations per round",
-                d.name,
-                block.median_us,
-                r.median_us,
-                rest,
-                rest / r.median_us,
-                r.propose_us,
-                r.materialize_us,
-                r.verify_us,
-                host,
-                r.allocations_per_round,
-                r.syncs_per_round
-            );
-            md.push_str(&format!(
+            let line = format!(
                 "| {} | {b} | {k} | {ctx} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | \
                  {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} |\n",
                 d.name,
@@ -716,7 +704,9 @@ fn engine_rounds(
                 r.allocations_per_round,
                 r.syncs_per_round,
                 if r.replayed { "yes" } else { "NO" }
-            ));
+            );
+            eprint!("{line}");
+            md.push_str(&line);
             json.push(serde_json::json!({
                 "draft": d.name, "B": b, "K": k, "context": ctx,
                 "block_us": (block.median_us * 10.0).round() / 10.0,

@@ -10,6 +10,10 @@
 //! default backend and on one restricted to the portable kernels and ordinary launches (rows
 //! `case [portable]`).
 
+// First: its macros serve the modules below.
+#[macro_use]
+#[path = "../../stand_in.rs"]
+mod stand_in;
 mod graph;
 mod host;
 mod replay_target;

@@ -5,16 +5,16 @@
 //! requests (greedy, or sampled with the same seeds) reproduces its rounds exactly; a verify
 //! whose input tokens differ from the recorded ones marks the replay as diverged.
 
-use std::collections::HashMap;
-
 use dflash_engine::TargetLogits;
 use dflash_engine::{
-    Commit, DeviceVerifyBatch, PrefillOutput, SeqHandle, Target, TargetCheckpoint, TargetError,
-    TargetInfo, VerifyBatch, VerifyView,
+    Commit, DeviceVerifyBatch, PrefillOutput, SeqHandle, Target, TargetError, TargetInfo,
+    VerifyBatch, VerifyView,
 };
 use dflash_ops::target_distribution::Logits;
 use dflash_ops::{Backend, Buffer, Element, bf16};
 use dflash_testkit::ReferenceTarget;
+
+use crate::stand_in::{NoImage, Sequences};
 
 /// A device copy of `src` (an allocation: recording and admission only).
 fn copy_of<T: Element>(be: &Backend, src: &Buffer<T>) -> Result<Buffer<T>, TargetError> {
@@ -60,28 +60,9 @@ impl Recorder {
             verifies: self.verifies,
             next: 0,
             current: None,
-            seqs: HashMap::new(),
-            next_handle: 1,
+            seqs: Sequences::default(),
             diverged: false,
         }
-    }
-}
-
-/// The image type of the stand-ins: they keep no state images (checkpoints are refused).
-pub struct NoImage;
-
-impl TargetCheckpoint for NoImage {
-    fn frontier(&self) -> usize {
-        0
-    }
-    fn size_bytes(&self) -> usize {
-        0
-    }
-}
-
-fn no_images() -> TargetError {
-    TargetError::IncompatibleCheckpoint {
-        reason: "the recording stand-in target keeps no state images".into(),
     }
 }
 
@@ -135,15 +116,7 @@ impl Target for Recorder {
     fn commit(&mut self, commits: &[Commit]) -> Result<(), TargetError> {
         self.inner.commit(commits)
     }
-    fn fork(&mut self, _seq: SeqHandle) -> Result<SeqHandle, TargetError> {
-        Err(no_images())
-    }
-    fn checkpoint(&self, _seq: SeqHandle) -> Result<NoImage, TargetError> {
-        Err(no_images())
-    }
-    fn restore(&mut self, _seq: SeqHandle, _image: &NoImage) -> Result<(), TargetError> {
-        Err(no_images())
-    }
+    refuse_state_images!();
     fn release(&mut self, seq: SeqHandle) -> Result<(), TargetError> {
         self.inner.release(seq)
     }
@@ -157,9 +130,7 @@ pub struct ReplayTarget {
     verifies: Vec<Verified>,
     next: usize,
     current: Option<usize>,
-    /// Per live sequence: frontier and pending live columns.
-    seqs: HashMap<u64, (usize, Option<usize>)>,
-    next_handle: u64,
+    seqs: Sequences,
     diverged: bool,
 }
 
@@ -175,15 +146,28 @@ impl ReplayTarget {
         self.next = 0;
         self.current = None;
         self.seqs.clear();
-        self.next_handle = 1;
         self.diverged = false;
     }
 
-    fn seq(&self, seq: SeqHandle) -> Result<(usize, Option<usize>), TargetError> {
-        self.seqs
-            .get(&seq.raw())
-            .copied()
-            .ok_or(TargetError::UnknownSequence { seq })
+    /// Take the next recorded verify for `(sequence, live columns)` rows (each known, nothing
+    /// pending); marks the replay diverged when the recording's rows differ (`same`).
+    fn next_verify(
+        &mut self,
+        rows: &[(SeqHandle, usize)],
+        same: impl Fn(&Verified) -> bool,
+    ) -> Result<(), TargetError> {
+        let i = self.next;
+        let Some(v) = self.verifies.get(i) else {
+            self.diverged = true;
+            return Err(TargetError::NothingVerified);
+        };
+        if v.tokens.len() != rows.len() || !same(v) {
+            self.diverged = true;
+        }
+        self.seqs.verify(rows)?;
+        self.next += 1;
+        self.current = Some(i);
+        Ok(())
     }
 }
 
@@ -193,10 +177,7 @@ impl Target for ReplayTarget {
         &self.info
     }
     fn create(&mut self) -> Result<SeqHandle, TargetError> {
-        let h = SeqHandle::from_raw(self.next_handle);
-        self.next_handle += 1;
-        self.seqs.insert(h.raw(), (0, None));
-        Ok(h)
+        Ok(self.seqs.create())
     }
     fn prefill(
         &mut self,
@@ -204,7 +185,7 @@ impl Target for ReplayTarget {
         seq: SeqHandle,
         tokens: &[u32],
     ) -> Result<PrefillOutput, TargetError> {
-        let (f, _) = self.seq(seq)?;
+        self.seqs.get(seq)?;
         let Some(p) = self.prefills.get(self.next_prefill) else {
             self.diverged = true;
             return Err(TargetError::EmptyPrompt { seq });
@@ -213,75 +194,46 @@ impl Target for ReplayTarget {
         if p.features.len() != tokens.len() * self.info.feature_width() {
             self.diverged = true;
         }
-        self.seqs.insert(seq.raw(), (f + tokens.len(), None));
-        Ok(PrefillOutput {
+        let out = PrefillOutput {
             features: copy_of(be, &p.features)?,
             last_logits: copy_of(be, &p.last_logits)?,
-        })
+        };
+        self.seqs.prefill(seq, tokens.len())?;
+        Ok(out)
     }
     fn frontier(&self, seq: SeqHandle) -> Result<usize, TargetError> {
-        Ok(self.seq(seq)?.0)
+        Ok(self.seqs.get(seq)?.0)
     }
     fn pending(&self, seq: SeqHandle) -> Result<Option<usize>, TargetError> {
-        Ok(self.seq(seq)?.1)
+        Ok(self.seqs.get(seq)?.1)
     }
     fn verify(&mut self, _be: &Backend, batch: &VerifyBatch<'_>) -> Result<(), TargetError> {
-        for r in batch.rows {
-            self.seq(r.seq)?;
-        }
-        let i = self.next;
-        match self.verifies.get(i) {
-            Some(v)
-                if v.tokens.len() == batch.rows.len()
-                    && v.tokens.iter().zip(batch.rows).all(|(t, r)| t == r.tokens) => {}
-            _ => self.diverged = true,
-        }
-        if i >= self.verifies.len() {
-            return Err(TargetError::NothingVerified);
-        }
-        for r in batch.rows {
-            if let Some(s) = self.seqs.get_mut(&r.seq.raw()) {
-                s.1 = Some(r.tokens.len());
-            }
-        }
-        self.next += 1;
-        self.current = Some(i);
-        Ok(())
+        let rows: Vec<_> = batch.rows.iter().map(|r| (r.seq, r.tokens.len())).collect();
+        self.next_verify(&rows, |v| {
+            v.tokens.iter().zip(batch.rows).all(|(t, r)| t == r.tokens)
+        })
     }
     /// A device round's verify: nothing is read (the input ids stay unread, as a target
     /// that embeds from device ids would leave them); the live column counts must match the
-    /// recording (a divergence shows in the outputs, which the check compares).
+    /// recording (a divergence also shows in the outputs, which the check compares).
     fn verify_device(
         &mut self,
         _be: &Backend,
         batch: &DeviceVerifyBatch<'_>,
     ) -> Result<(), TargetError> {
-        for &seq in batch.seqs {
-            self.seq(seq)?;
-        }
-        let i = self.next;
-        match self.verifies.get(i) {
-            Some(v)
-                if v.tokens.len() == batch.seqs.len()
-                    && v.tokens
-                        .iter()
-                        .zip(batch.columns)
-                        .all(|(t, &q)| t.len() == q) => {}
-            _ => self.diverged = true,
-        }
-        if i >= self.verifies.len() {
-            return Err(TargetError::NothingVerified);
-        }
-        for (&seq, &q) in batch.seqs.iter().zip(batch.columns) {
-            if let Some(s) = self.seqs.get_mut(&seq.raw()) {
-                s.1 = Some(q);
-            }
-        }
-        self.next += 1;
-        self.current = Some(i);
-        Ok(())
+        let rows: Vec<_> = batch
+            .seqs
+            .iter()
+            .copied()
+            .zip(batch.columns.iter().copied())
+            .collect();
+        self.next_verify(&rows, |v| {
+            v.tokens
+                .iter()
+                .zip(batch.columns)
+                .all(|(t, &q)| t.len() == q)
+        })
     }
-
     fn verified(&self) -> Result<VerifyView<'_>, TargetError> {
         let v = self
             .current
@@ -293,28 +245,10 @@ impl Target for ReplayTarget {
         })
     }
     fn commit(&mut self, commits: &[Commit]) -> Result<(), TargetError> {
-        for c in commits {
-            let (f, pending) = self.seq(c.seq)?;
-            if pending.is_none() {
-                return Err(TargetError::NoPendingVerify { seq: c.seq });
-            }
-            self.seqs.insert(c.seq.raw(), (f + c.rows(), None));
-        }
-        Ok(())
+        self.seqs.commit(commits)
     }
-    fn fork(&mut self, _seq: SeqHandle) -> Result<SeqHandle, TargetError> {
-        Err(no_images())
-    }
-    fn checkpoint(&self, _seq: SeqHandle) -> Result<NoImage, TargetError> {
-        Err(no_images())
-    }
-    fn restore(&mut self, _seq: SeqHandle, _image: &NoImage) -> Result<(), TargetError> {
-        Err(no_images())
-    }
+    refuse_state_images!();
     fn release(&mut self, seq: SeqHandle) -> Result<(), TargetError> {
-        self.seqs
-            .remove(&seq.raw())
-            .map(|_| ())
-            .ok_or(TargetError::UnknownSequence { seq })
+        self.seqs.release(seq)
     }
 }
