@@ -177,12 +177,12 @@ extern "C" __global__ void __launch_bounds__(CA_THREADS) chain_accept_kernel(
         u = dflash_unit_f32(dflash_rng_word(seed, F + 1 + (u64)A, CA_PURPOSE_BONUS, 0u));
     }
     __syncthreads();
-    // A greedy column (gc >= 0, uniform over the block): p is one-hot at gc, and every draw
+    // A greedy column (0 <= gc < vocab, uniform over the block): p is one-hot at gc, and every draw
     // weight is 0 except at gc (the bonus: p itself; a correction: p - q at gc is positive,
     // since the rejected proposal was not gc and q(gc) < 1 then), so the blocked draw returns
     // gc for any u: taken directly, without the scan of the vocabulary.
     int tok;
-    if (gc >= 0) {
+    if (gc >= 0 && gc < vocab) {
         tok = gc;
     } else {
         tok = ca_draw(sh, pc, gc, vocab, mode, x, u);

@@ -148,7 +148,10 @@ pub struct DeviceVerifyBatch<'a> {
     pub columns: &'a [usize],
     /// Input tokens I32 on the call's backend: row `r`'s `columns[r]` tokens (the anchor,
     /// then the proposals) at `r * cols ..` (at least `rows * cols` elements; columns past a
-    /// row's count hold unspecified values).
+    /// row's count hold unspecified values). Not validated on the host (the engine has not
+    /// read them): the draft's ops produce public ids, and the engine checks them with the
+    /// round's outcome, but a target embedding straight from these ids must still bound its
+    /// gather (clamp or skip an id at or above its embedding rows) rather than trust them.
     pub ids: &'a Buffer<i32>,
     /// Physical columns per row (as [`VerifyBatch::cols`]).
     pub cols: usize,

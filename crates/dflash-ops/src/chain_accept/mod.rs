@@ -73,7 +73,8 @@
 //! one warp per tile for the tile sums (lane sums + shuffle-down tree), thread 0 for the
 //! sequential `total`/`C_j` walk and for the running sum inside the chosen tile (staged in
 //! shared memory). A greedy column's `p(v)` is computed from its id (`v == g`), never loaded,
-//! and its correction or bonus is `g` itself without the scan (the blocked draw over weights
+//! and its correction or bonus is `g` itself (for `g` below the vocabulary) without the scan
+//! (the blocked draw over weights
 //! that are 0 except at `g` returns `g` for any `u`; a correction's weight at `g` is positive,
 //! the rejected proposal not being `g`, and a zero total falls back to `p`, the one-hot at `g`).
 //! All f64 operations are `_rn` intrinsics (no contraction).

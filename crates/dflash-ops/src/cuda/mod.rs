@@ -1116,22 +1116,44 @@ impl CudaBackend {
         if self.inner.capturing.swap(true, Ordering::AcqRel) {
             return refuse("a capture is already recording this backend's stream".into());
         }
+        /// Ends a capture `f` left open (it panicked) and clears the flag, on every exit.
+        struct Recording<'a> {
+            inner: &'a Inner,
+            open: std::cell::Cell<bool>,
+        }
+        impl Drop for Recording<'_> {
+            fn drop(&mut self) {
+                if self.open.get() {
+                    let _ = self
+                        .inner
+                        .stream
+                        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                }
+                self.inner.capturing.store(false, Ordering::Release);
+            }
+        }
+        let recording = Recording {
+            inner: &self.inner,
+            open: std::cell::Cell::new(false),
+        };
         let stream = &self.inner.stream;
         let recorded = stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(cuda_err("beginning a stream capture"))
             .and_then(|()| {
+                recording.open.set(true);
                 let queued = f();
                 // Always end the capture, so the stream is usable again whatever `f` did.
                 let ended = stream
                     .end_capture(sys::CUgraphInstantiate_flags(0))
                     .map_err(cuda_err("ending the stream capture"));
+                recording.open.set(false);
                 queued?;
                 ended?.ok_or_else(|| OpsError::Capture {
                     problem: "the capture recorded no work".into(),
                 })
             });
-        self.inner.capturing.store(false, Ordering::Release);
+        drop(recording);
         let graph = recorded?;
         graph
             .upload()

@@ -62,6 +62,8 @@ impl Recorder {
             current: None,
             seqs: Sequences::default(),
             diverged: false,
+            check_ids: false,
+            ids_checked: 0,
         }
     }
 }
@@ -132,9 +134,24 @@ pub struct ReplayTarget {
     current: Option<usize>,
     seqs: Sequences,
     diverged: bool,
+    /// Whether `verify_device` reads the input ids back and compares them with the recording.
+    check_ids: bool,
+    /// Device verifies whose ids were read back and compared.
+    ids_checked: usize,
 }
 
 impl ReplayTarget {
+    /// Read every device verify's input ids back (one synchronize each) and compare them with
+    /// the recorded tokens: a mismatch marks the replay diverged.
+    pub fn check_ids(&mut self, on: bool) {
+        self.check_ids = on;
+    }
+
+    /// Device verifies whose input ids were read back and compared.
+    pub fn ids_checked(&self) -> usize {
+        self.ids_checked
+    }
+
     /// Whether a verify's inputs differed from the recording (the replay is then invalid).
     pub fn diverged(&self) -> bool {
         self.diverged
@@ -147,6 +164,7 @@ impl ReplayTarget {
         self.current = None;
         self.seqs.clear();
         self.diverged = false;
+        self.ids_checked = 0;
     }
 
     /// Take the next recorded verify for `(sequence, live columns)` rows (each known, nothing
@@ -218,7 +236,7 @@ impl Target for ReplayTarget {
     /// recording (a divergence also shows in the outputs, which the check compares).
     fn verify_device(
         &mut self,
-        _be: &Backend,
+        be: &Backend,
         batch: &DeviceVerifyBatch<'_>,
     ) -> Result<(), TargetError> {
         let rows: Vec<_> = batch
@@ -227,11 +245,25 @@ impl Target for ReplayTarget {
             .copied()
             .zip(batch.columns.iter().copied())
             .collect();
+        let ids = if self.check_ids {
+            self.ids_checked += 1;
+            Some(be.read(batch.ids, 0, rows.len() * batch.cols)?)
+        } else {
+            None
+        };
+        let cols = batch.cols;
         self.next_verify(&rows, |v| {
             v.tokens
                 .iter()
                 .zip(batch.columns)
-                .all(|(t, &q)| t.len() == q)
+                .enumerate()
+                .all(|(r, (t, &q))| {
+                    t.len() == q
+                        && ids.as_ref().is_none_or(|ids| {
+                            ids.get(r * cols..r * cols + q)
+                                .is_some_and(|row| t.iter().zip(row).all(|(&a, &b)| a as i32 == b))
+                        })
+                })
         })
     }
     fn verified(&self) -> Result<VerifyView<'_>, TargetError> {

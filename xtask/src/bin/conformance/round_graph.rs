@@ -302,6 +302,16 @@ fn round_timing(
     let mut proposes = Vec::new();
     let mut rounds = 0;
     let (mut allocations_per_round, mut syncs_per_round) = (f64::NAN, f64::NAN);
+    // First a replay that also reads back every device round's verify input ids and
+    // compares them with the recorded tokens (the draft's assembly of [anchor, proposals]):
+    // untimed, since the read is an extra synchronize.
+    replay.rewind();
+    replay.check_ids(true);
+    let mut e = engine(fx, be, backend, replay, false)?;
+    let (got, ..) = drive(&mut e, requests(0.0))?;
+    replay = e.into_parts().0;
+    reproduced &= got == want && !replay.diverged() && replay.ids_checked() > 0;
+    replay.check_ids(false);
     for eager in [false, true] {
         replay.rewind();
         let mut e = engine(fx, be, backend, replay, eager)?;
