@@ -338,52 +338,6 @@ fn weight_key(w: &MaterializeWeights<'_>) -> Vec<u64> {
     key
 }
 
-/// The device work of a round materialize, for every lane at once (fixed shapes): the
-/// projection of all slabs, then per layer the K/V materialize of a row per lane, reading
-/// the lanes' starts and counts from `rs` (written before). `(wrote, result)`.
-fn round_writes(
-    be: &Backend,
-    g: &ContextGeometry,
-    capacity: &Capacity,
-    pools: &mut [Pool],
-    page_table: Option<&Buffer<i32>>,
-    rs: &mut RoundStaging,
-    w: &MaterializeWeights<'_>,
-) -> (bool, Result<()>) {
-    let lanes = capacity.lanes;
-    let params = FeatureProjectionParams {
-        tokens: lanes * rs.cols,
-        n_ids: g.n_ids,
-        hidden: g.hidden,
-        eps: g.eps,
-    };
-    if let Err(e) = feature_projection::run_with_scratch(
-        be,
-        &rs.slab,
-        w.fc,
-        w.hidden_norm,
-        &mut rs.c,
-        &mut rs.fp,
-        &params,
-    ) {
-        return (false, Err(ContextError::Ops(e)));
-    }
-    let chunk = Chunk {
-        // Each lane's chunk ends at its target: no ring skips it.
-        end: usize::MAX / 2,
-        rows: lanes,
-        cols: rs.cols,
-        c: &rs.c,
-        start_buf: &rs.start,
-        count_buf: &rs.count,
-    };
-    let meta = WriteMeta {
-        lane: &rs.lane_ids,
-        table: page_table,
-    };
-    write_chunks(be, g, capacity, pools, &[chunk], &meta, &mut rs.kv, w, 0)
-}
-
 /// Projected context vectors of one chunk, ready to be written: `rows` requests' columns
 /// (`cols` each; how many are live and where they start is in the device metadata), ending
 /// at position `end` (a round's chunk: at the target).
@@ -1175,6 +1129,39 @@ impl ContextStore {
         if self.round.is_none() || self.be.can_capture().is_err() {
             return Ok(false);
         }
+        let zeros = vec![0; self.capacity.lanes];
+        self.write_round_meta(&zeros, &zeros)?;
+        self.write_round(w).1?;
+        let be = self.be.clone();
+        let graph = be.capture(|| {
+            self.write_round(w).1.map_err(|e| match e {
+                ContextError::Ops(e) => e,
+                other => OpsError::Capture {
+                    problem: other.to_string(),
+                },
+            })
+        })?;
+        if let Some(rs) = &mut self.round {
+            rs.graph = Some((graph, weight_key(w)));
+        }
+        Ok(true)
+    }
+
+    /// Write the lanes' first positions and counts of a round materialize (`[lanes]` each;
+    /// count 0: nothing). A store without round staging: refused.
+    fn write_round_meta(&mut self, start: &[i32], count: &[i32]) -> Result<()> {
+        let Some(rs) = self.round.as_mut() else {
+            return unreachable_slab();
+        };
+        self.be.write(&mut rs.start, 0, start)?;
+        self.be.write(&mut rs.count, 0, count)?;
+        Ok(())
+    }
+
+    /// The device work of a round materialize, for every lane at once (fixed shapes): the
+    /// projection of all slabs, then per layer the K/V materialize of a row per lane, reading
+    /// the lanes' starts and counts written before. `(wrote, result)`.
+    fn write_round(&mut self, w: &MaterializeWeights<'_>) -> (bool, Result<()>) {
         let ContextStore {
             be,
             geometry: g,
@@ -1185,25 +1172,39 @@ impl ContextStore {
             ..
         } = self;
         let Some(rs) = round.as_mut() else {
-            return Ok(false);
+            return (false, unreachable_slab());
         };
-        rs.graph = None;
-        let lanes = capacity.lanes;
-        be.write(&mut rs.count, 0, &vec![0; lanes])?;
-        be.write(&mut rs.start, 0, &vec![0; lanes])?;
-        let (_, warm) = round_writes(be, g, capacity, pools, page_table.as_ref(), rs, w);
-        warm?;
-        let graph = be.capture(|| {
-            let (_, r) = round_writes(be, g, capacity, pools, page_table.as_ref(), rs, w);
-            r.map_err(|e| match e {
-                ContextError::Ops(e) => e,
-                other => OpsError::Capture {
-                    problem: other.to_string(),
-                },
-            })
-        })?;
-        rs.graph = Some((graph, weight_key(w)));
-        Ok(true)
+        let params = FeatureProjectionParams {
+            tokens: capacity.lanes * rs.cols,
+            n_ids: g.n_ids,
+            hidden: g.hidden,
+            eps: g.eps,
+        };
+        if let Err(e) = feature_projection::run_with_scratch(
+            be,
+            &rs.slab,
+            w.fc,
+            w.hidden_norm,
+            &mut rs.c,
+            &mut rs.fp,
+            &params,
+        ) {
+            return (false, Err(ContextError::Ops(e)));
+        }
+        let chunk = Chunk {
+            // Each lane's chunk ends at its target: no ring skips it.
+            end: usize::MAX / 2,
+            rows: capacity.lanes,
+            cols: rs.cols,
+            c: &rs.c,
+            start_buf: &rs.start,
+            count_buf: &rs.count,
+        };
+        let meta = WriteMeta {
+            lane: &rs.lane_ids,
+            table: page_table.as_ref(),
+        };
+        write_chunks(be, g, capacity, pools, &[chunk], &meta, &mut rs.kv, w, 0)
     }
 
     /// Materialize requests whose queue is one slab entry, together through the round
@@ -1228,32 +1229,19 @@ impl ContextStore {
             count[h.lane] = to_i32(p.rows);
             targets.push((h, r.frontier + r.pending_cols));
         }
-        let ContextStore {
-            be,
-            geometry: g,
-            capacity,
-            pools,
-            page_table,
-            round,
-            ..
-        } = self;
-        let Some(rs) = round.as_mut() else {
-            return unreachable_slab();
-        };
-        let written = (|| -> Result<()> {
-            be.write(&mut rs.start, 0, &start)?;
-            be.write(&mut rs.count, 0, &count)?;
-            Ok(())
-        })();
-        let (wrote, res) = match written {
+        let (wrote, res) = match self.write_round_meta(&start, &count) {
             Err(e) => (false, Err(e)),
-            Ok(()) => match &rs.graph {
-                Some((graph, key)) if *key == weight_key(w) => {
+            Ok(()) => {
+                let replayed = match self.round.as_ref().and_then(|rs| rs.graph.as_ref()) {
+                    Some((graph, key)) if *key == weight_key(w) => Some(graph.launch()),
+                    _ => None,
+                };
+                match replayed {
                     // A launch failure may have written some of the caches.
-                    (true, graph.launch().map_err(ContextError::Ops))
+                    Some(r) => (true, r.map_err(ContextError::Ops)),
+                    None => self.write_round(w),
                 }
-                _ => round_writes(be, g, capacity, pools, page_table.as_ref(), rs, w),
-            },
+            }
         };
         let mut first_error = res.err();
         for (h, target) in targets {

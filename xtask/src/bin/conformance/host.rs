@@ -13,7 +13,7 @@
 use anyhow::{Context, Result, anyhow};
 use cudarc::driver::CudaContext;
 use dflash_cli::{Fixture, demo_prompts};
-use dflash_config::{Backend as DraftBackend, StartupOptions};
+use dflash_config::Backend as DraftBackend;
 use dflash_engine::{DraftHead, DraftTargetParts, Engine, EngineOptions, Event, Request};
 use dflash_ops::cuda::{CudaBackend, CudaOptions};
 use dflash_ops::{Backend, Borrowed};
@@ -40,17 +40,9 @@ pub struct HostResult {
     pub synchronizations: u64,
 }
 
+/// The engine options of the host checks (K = 7, B = 4, graph profiles where they can run).
 fn options(backend: DraftBackend) -> EngineOptions {
-    EngineOptions {
-        startup: StartupOptions {
-            concurrency: 4,
-            ..StartupOptions::new(backend, 7)
-        },
-        max_context: 256,
-        page_size: 8,
-        memory_budget: 1 << 32,
-        eager: false,
-    }
+    crate::round_graph::options(backend, false)
 }
 
 fn requests() -> Vec<Request> {

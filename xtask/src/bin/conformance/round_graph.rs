@@ -24,7 +24,8 @@ use crate::replay_target::Recorder;
 const B: u32 = 4;
 const K: u32 = 7;
 
-fn options(backend: DraftBackend, eager: bool) -> EngineOptions {
+/// The engine options of the embedding checks: K = 7, B = 4, 256 positions, pages of 8.
+pub fn options(backend: DraftBackend, eager: bool) -> EngineOptions {
     EngineOptions {
         startup: StartupOptions {
             concurrency: B,
