@@ -221,3 +221,50 @@ __device__ __forceinline__ void df_pdl_wait() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+
+// ---- Thread-block clusters (sm_90 and later; one-block clusters below) ----
+// A kernel launched in clusters (the backend's `launch_ex` with cluster > 1) sees its blocks'
+// rank within the cluster and their count; launched without, or compiled below sm_90, every
+// cluster is the block alone (rank 0 of 1). df_cluster_sync is a barrier of every thread of
+// every block of the cluster that orders shared-memory writes before it with reads after it
+// across the cluster (release / acquire; __syncthreads for a one-block cluster below sm_90).
+// df_cluster_peer maps a pointer into this block's shared memory to the same variable in
+// block `rank` of the cluster (a generic address any load can read); a block must not exit
+// while another may still read its shared memory (end with df_cluster_sync).
+__device__ __forceinline__ unsigned df_cluster_blocks() {
+#if __CUDA_ARCH__ >= 900
+    unsigned n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+    return n;
+#else
+    return 1u;
+#endif
+}
+__device__ __forceinline__ unsigned df_cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+#else
+    return 0u;
+#endif
+}
+__device__ __forceinline__ void df_cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+template <typename T>
+__device__ __forceinline__ const T* df_cluster_peer(const T* p, unsigned rank) {
+#if __CUDA_ARCH__ >= 900
+    unsigned long long out;
+    asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"((unsigned long long)p), "r"(rank));
+    return (const T*)out;
+#else
+    (void)rank;
+    return p;
+#endif
+}

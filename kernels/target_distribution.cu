@@ -1,16 +1,21 @@
 // target_distribution: processed target distribution of every live verify column
 // (contract: crates/dflash-ops/src/target_distribution/mod.rs).
 //
-// One block of TD_THREADS threads per (row, column); two entries that differ only in the
+// One cluster of TD_THREADS-thread blocks per (row, column) (df_cluster_blocks() blocks: the
+// launcher's cluster size on sm_90 and later, else 1); two entries that differ only in the
 // logits' dtype: target_distribution_kernel (f32) and target_distribution_bf16_kernel (bf16,
 // each logit widened exactly to f32: its 16 bits become the high half of the f32's bits).
-// Row r's column i is the logits column col_start[r] + i (starts = 1) or r * cols + i
-// (starts = 0); a column outside the logits' logit_cols columns is treated as dead, so no
-// logits read leaves the buffer. Every loop over the vocabulary uses the same mapping
-// v = threadIdx.x + k * blockDim.x, so a thread only reads back the p elements it wrote itself
-// (a sampled column's p row holds the processed logits z as scratch between passes; a greedy
-// column stores nothing before its result). Exact f32 steps use the _rn intrinsics so that no
-// multiply-add is contracted.
+// Blocks x = column * nb + rank. Row r's column i is the logits column col_start[r] + i
+// (starts = 1) or r * cols + i (starts = 0); a column outside the logits' logit_cols columns
+// is treated as dead, so no logits read leaves the buffer. Thread t of block `rank` owns the
+// ids v = rank * TD_THREADS + t + k * nb * TD_THREADS, in every pass, so a thread only reads
+// back the p elements it wrote itself (a sampled column's p row holds the processed logits z
+// as scratch between passes; a greedy column stores nothing before its result). Every
+// cross-block quantity is exact and identical in every block of the cluster: the argmax
+// (merged with the lowest-id tie rule), the top-k counts and top-p masses (integer
+// histograms summed over the blocks in shared memory read through the cluster), and S (each
+// block's f64 part, summed in rank order by every block). Exact f32 steps use the _rn
+// intrinsics so that no multiply-add is contracted.
 //
 // live_form = 0 (Full): every p element of the row's columns is written (greedy one-hot, dead
 // zeros). live_form = 1 (Live): a greedy column writes greedy[r, i] = its argmax and nothing
@@ -33,8 +38,13 @@ __device__ __forceinline__ u32 td_key(float z) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// (bv, bi) <- the better of itself and (v, i): larger value, ties to the lower id.
+__device__ __forceinline__ void td_better(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+}
+
 // Block-wide f64 sum (fixed tree order). s_red holds 33 doubles.
-__device__ double td_block_sum(double x, double* s_red) {
+__device__ __forceinline__ double td_block_sum(double x, double* s_red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int off = 16; off > 0; off >>= 1) x = __dadd_rn(x, __shfl_down_sync(0xffffffffu, x, off));
     __syncthreads();  // previous readers of s_red are done
@@ -59,8 +69,17 @@ __device__ __forceinline__ void td_column(
     const float* __restrict__ pres_pen, float* __restrict__ p, int* __restrict__ greedy_out,
     int live_form, int rows, int cols, int vocab, int public_vocab) {
     __shared__ int s_hist[TD_MAX_COLS];
-    __shared__ unsigned int s_count[256];
-    __shared__ unsigned long long s_mass[256];
+    // Read by the cluster's other blocks: this block's best, its top-k counts and top-p
+    // masses (two buffers, alternating by pass, so that one cluster barrier a pass suffices:
+    // a buffer is cleared again only after every block has passed the barrier of the pass
+    // after the one that read it) and its part of S.
+    __shared__ float s_cbv;
+    __shared__ int s_cbi;
+    __shared__ unsigned int s_count[2][256];
+    __shared__ unsigned long long s_mass[2][256];
+    __shared__ double s_csum;
+    // This block's own.
+    __shared__ unsigned long long s_tot[256];
     __shared__ double s_red[33];
     __shared__ float s_bv[32];
     __shared__ int s_bi[32];
@@ -71,19 +90,25 @@ __device__ __forceinline__ void td_column(
     __shared__ unsigned long long s_above;
     __shared__ double s_target;
 
-    const int r = blockIdx.x / cols;
-    const int i = blockIdx.x % cols;
+    const unsigned nb = df_cluster_blocks(), rank = df_cluster_rank();
+    const int column = blockIdx.x / nb;
+    const int r = column / cols;
+    const int i = column % cols;
+    // Everything below that returns early does so for every block of the cluster (it
+    // depends on the column only), so every barrier is reached by all of them.
     if (r >= rows) return;
     const int tid = threadIdx.x, nt = blockDim.x;
+    const int first = (int)rank * nt + tid;  // this thread's first id
+    const int stride = (int)nb * nt;         // and the step between its ids
     const size_t base = ((size_t)r * cols + i) * (size_t)vocab;
     float* out = p + base;
     int q = live[r];
     q = q < 0 ? 0 : (q > cols ? cols : q);
-    // The logits column of (r, i) (uniform over the block); outside the buffer: dead.
+    // The logits column of (r, i); outside the buffer: dead.
     const long long lc = starts ? (long long)col_start[r] + i : (long long)r * cols + i;
-    if (i >= q || lc < 0 || lc >= logit_cols) {  // dead column (uniform over the block)
+    if (i >= q || lc < 0 || lc >= logit_cols) {  // dead column: no barrier, nothing shared
         if (!live_form) {
-            for (int v = tid; v < vocab; v += nt) out[v] = 0.0f;
+            for (int v = first; v < vocab; v += stride) out[v] = 0.0f;
         }
         return;
     }
@@ -102,15 +127,13 @@ __device__ __forceinline__ void td_column(
     float bv = __int_as_float((int)0xff800000u);  // -inf without <math.h> (NVRTC)
     int bi = 0x7fffffff;
     // TD_UNROLL ids a thread at once: their count and logit loads are all issued before the
-    // first is used (one block streams a whole column, so the loads in flight set its rate).
-    // Each thread still visits its ids in ascending order (tid, tid + nt, ...): the same
-    // compares in the same order as one id at a time.
-    for (int v0 = tid; v0 < public_vocab; v0 += nt * TD_UNROLL) {
+    // first is used (the loads in flight set a block's rate).
+    for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
         int cv[TD_UNROLL];
         float lv[TD_UNROLL];
 #pragma unroll
         for (int u = 0; u < TD_UNROLL; ++u) {
-            const int v = v0 + u * nt;
+            const int v = v0 + u * stride;
             if (v < public_vocab) {
                 cv[u] = crow[v];
                 lv[u] = td_load(lrow, (size_t)v);
@@ -118,7 +141,7 @@ __device__ __forceinline__ void td_column(
         }
 #pragma unroll
         for (int u = 0; u < TD_UNROLL; ++u) {
-            const int v = v0 + u * nt;
+            const int v = v0 + u * stride;
             if (v < public_vocab) {
                 long long c = (long long)cv[u];
                 for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
@@ -130,14 +153,14 @@ __device__ __forceinline__ void td_column(
                 float z = greedy ? l : __fdiv_rn(l, T);
                 z = __fadd_rn(z, 0.0f);  // -0 -> +0
                 if (!greedy) out[v] = z;
-                if (z > bv || (z == bv && v < bi)) { bv = z; bi = v; }
+                td_better(bv, bi, z, v);
             }
         }
     }
     for (int off = 16; off > 0; off >>= 1) {
         float ov = __shfl_down_sync(0xffffffffu, bv, off);
         int oi = __shfl_down_sync(0xffffffffu, bi, off);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        td_better(bv, bi, ov, oi);
     }
     {
         const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
@@ -146,8 +169,16 @@ __device__ __forceinline__ void td_column(
         if (tid == 0) {
             float b = s_bv[0];
             int id = s_bi[0];
-            for (int w = 1; w < nw; ++w) {
-                if (s_bv[w] > b || (s_bv[w] == b && s_bi[w] < id)) { b = s_bv[w]; id = s_bi[w]; }
+            for (int w = 1; w < nw; ++w) td_better(b, id, s_bv[w], s_bi[w]);
+            s_cbv = b;
+            s_cbi = id;
+        }
+        df_cluster_sync();
+        if (tid == 0) {
+            float b = *df_cluster_peer(&s_cbv, 0u);
+            int id = *df_cluster_peer(&s_cbi, 0u);
+            for (unsigned k = 1; k < nb; ++k) {
+                td_better(b, id, *df_cluster_peer(&s_cbv, k), *df_cluster_peer(&s_cbi, k));
             }
             s_zmax = b;
             s_amax = id;
@@ -158,34 +189,43 @@ __device__ __forceinline__ void td_column(
 
     if (greedy) {
         if (live_form) {
-            if (tid == 0) greedy_out[(size_t)r * cols + i] = amax;
+            if (rank == 0 && tid == 0) greedy_out[(size_t)r * cols + i] = amax;
         } else {
-            for (int v = tid; v < vocab; v += nt) out[v] = (v == amax) ? 1.0f : 0.0f;
+            for (int v = first; v < vocab; v += stride) out[v] = (v == amax) ? 1.0f : 0.0f;
         }
+        df_cluster_sync();  // the other blocks have read s_cbv / s_cbi
         return;
     }
-    if (live_form && tid == 0) greedy_out[(size_t)r * cols + i] = -1;
+    if (live_form && rank == 0 && tid == 0) greedy_out[(size_t)r * cols + i] = -1;
     const double zmax = (double)s_zmax;
 
     // Top-k: radix select of the k-th largest key (multiplicity counted).
     u32 tk_key = 0;
+    int pass = 0;  // selects the histogram buffer
     const int K = top_k[r];
     if (K > 0 && K < public_vocab) {
         u32 prefix = 0, mask = 0;
         if (tid == 0) s_rem = (u32)K;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int b = tid; b < 256; b += nt) s_count[b] = 0u;
+        for (int shift = 24; shift >= 0; shift -= 8, ++pass) {
+            unsigned int* mine = s_count[pass & 1];
+            for (int b = tid; b < 256; b += nt) mine[b] = 0u;
             __syncthreads();
-            for (int v = tid; v < public_vocab; v += nt) {
+            for (int v = first; v < public_vocab; v += stride) {
                 u32 key = td_key(out[v]);
-                if ((key & mask) == prefix) atomicAdd(&s_count[(key >> shift) & 255u], 1u);
+                if ((key & mask) == prefix) atomicAdd(&mine[(key >> shift) & 255u], 1u);
+            }
+            df_cluster_sync();
+            for (int b = tid; b < 256; b += nt) {
+                unsigned long long c = 0ull;
+                for (unsigned k = 0; k < nb; ++k) c += *df_cluster_peer(&mine[b], k);
+                s_tot[b] = c;
             }
             __syncthreads();
             if (tid == 0) {
                 u32 rem = s_rem;
                 int pick = 0;
                 for (int b = 255; b >= 0; --b) {
-                    u32 c = s_count[b];
+                    u32 c = (u32)s_tot[b];
                     if (c >= rem) { pick = b; break; }
                     rem -= c;
                 }
@@ -204,23 +244,30 @@ __device__ __forceinline__ void td_column(
     const float TP = top_p[r];
     if (TP < 1.0f) {
         u32 prefix = 0, mask = 0;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int b = tid; b < 256; b += nt) s_mass[b] = 0ull;
+        for (int shift = 24; shift >= 0; shift -= 8, ++pass) {
+            unsigned long long* mine = s_mass[pass & 1];
+            for (int b = tid; b < 256; b += nt) mine[b] = 0ull;
             __syncthreads();
-            for (int v = tid; v < public_vocab; v += nt) {
+            for (int v = first; v < public_vocab; v += stride) {
                 float z = out[v];
                 u32 key = td_key(z);
                 if (key >= tk_key && (key & mask) == prefix) {
                     double e = exp(__dsub_rn((double)z, zmax));
                     unsigned long long m = (unsigned long long)__dmul_rn(e, TD_MASS_SCALE);
-                    if (m != 0ull) atomicAdd(&s_mass[(key >> shift) & 255u], m);
+                    if (m != 0ull) atomicAdd(&mine[(key >> shift) & 255u], m);
                 }
+            }
+            df_cluster_sync();
+            for (int b = tid; b < 256; b += nt) {
+                unsigned long long m = 0ull;
+                for (unsigned k = 0; k < nb; ++k) m += *df_cluster_peer(&mine[b], k);
+                s_tot[b] = m;
             }
             __syncthreads();
             if (tid == 0) {
                 if (shift == 24) {
                     unsigned long long total = 0ull;
-                    for (int b = 0; b < 256; ++b) total += s_mass[b];
+                    for (int b = 0; b < 256; ++b) total += s_tot[b];
                     s_target = __dmul_rn((double)TP, __ull2double_rn(total));
                     s_above = 0ull;
                 }
@@ -228,7 +275,7 @@ __device__ __forceinline__ void td_column(
                 const double target = s_target;
                 int pick = 0;
                 for (int b = 255; b >= 0; --b) {
-                    unsigned long long m = s_mass[b];
+                    unsigned long long m = s_tot[b];
                     if (__ull2double_rn(above + m) >= target) { pick = b; break; }
                     above += m;
                 }
@@ -242,21 +289,26 @@ __device__ __forceinline__ void td_column(
         tp_key = prefix;
     }
 
-    // Min-p and the normalizer over the kept set.
+    // Min-p and the normalizer over the kept set: each block's part, then the parts in rank
+    // order (the same S in every block).
     const u32 thr = tk_key > tp_key ? tk_key : tp_key;
     const double mp = (double)min_p[r];
     double part = 0.0;
-    for (int v = tid; v < public_vocab; v += nt) {
+    for (int v = first; v < public_vocab; v += stride) {
         float z = out[v];
         if (td_key(z) >= thr) {
             double e = exp(__dsub_rn((double)z, zmax));
             if (e >= mp) part = __dadd_rn(part, e);
         }
     }
-    const double S = td_block_sum(part, s_red);
+    const double block_part = td_block_sum(part, s_red);
+    if (tid == 0) s_csum = block_part;
+    df_cluster_sync();
+    double S = 0.0;
+    for (unsigned k = 0; k < nb; ++k) S = __dadd_rn(S, *df_cluster_peer(&s_csum, k));
 
     // Write pass.
-    for (int v = tid; v < vocab; v += nt) {
+    for (int v = first; v < vocab; v += stride) {
         float val = 0.0f;
         if (v < public_vocab) {
             float z = out[v];
@@ -267,6 +319,7 @@ __device__ __forceinline__ void td_column(
         }
         out[v] = val;
     }
+    df_cluster_sync();  // the other blocks have read s_csum
 }
 
 #define TD_ENTRY(NAME, LT)                                                                      \

@@ -143,14 +143,19 @@ pub struct RoundStats {
     /// Device allocations and host synchronizations per timed round.
     pub allocations_per_round: f64,
     pub syncs_per_round: f64,
-    /// Whether the draft block replayed a graph profile in every timed round.
+    /// Whether the draft block and the verification ops replayed a graph in every timed
+    /// round.
     pub replayed: bool,
+    pub verify_replayed: bool,
     /// The round's parts alone, each queued then waited for (median µs over 20): the draft's
     /// propose (stage + block graph + verify-input assembly), the batched materialize of one
     /// verified row per request, and the verification ops with their one read.
     pub propose_us: f64,
     pub materialize_us: f64,
     pub verify_us: f64,
+    /// The verification ops alone as `verify_us`, every row sampled (T = 0.8, top-p 0.95:
+    /// every column streams its vocabulary through the sampled passes).
+    pub verify_sampled_us: f64,
 }
 
 /// Everything an engine round needs besides the draft model and parts.
@@ -230,10 +235,11 @@ pub fn time_rounds(
     for _ in 0..4 {
         engine.step(&mut sink)?;
     }
-    let (a0, s0, r0) = (
+    let (a0, s0, r0, v0) = (
         be.allocations(),
         be.synchronizations(),
         engine.proposer().graph_replays(),
+        engine.verify_graphs().0,
     );
     let mut times = Vec::new();
     for _ in 0..30 {
@@ -245,6 +251,7 @@ pub fn time_rounds(
     }
     let n = times.len();
     let replays = engine.proposer().graph_replays() - r0;
+    let verify_replays = engine.verify_graphs().0 - v0;
     let (allocations_per_round, syncs_per_round) = (
         (be.allocations() - a0) as f64 / n as f64,
         (be.synchronizations() - s0) as f64 / n as f64,
@@ -258,9 +265,11 @@ pub fn time_rounds(
         allocations_per_round,
         syncs_per_round,
         replayed: replays == n as u64,
+        verify_replayed: verify_replays == n as u64,
         propose_us: parts.0,
         materialize_us: parts.1,
         verify_us: parts.2,
+        verify_sampled_us: parts.3,
     })
 }
 
@@ -278,7 +287,7 @@ fn time_parts(
     mut proposer: dflash_engine::DraftProposer<'static>,
     b: usize,
     k: usize,
-) -> Result<(f64, f64, f64)> {
+) -> Result<(f64, f64, f64, f64)> {
     use dflash_engine::{ProposeRow, Proposer};
     let info = target.info().clone();
     let slots = proposer.store().handles();
@@ -305,7 +314,13 @@ fn time_parts(
             kind: proposer.kind(),
         },
     )?;
-    let (mut tp, mut tm, mut tv) = (Vec::new(), Vec::new(), Vec::new());
+    // As the engine runs it (graph profiles).
+    verify.use_graphs(be, true);
+    let sampled = dflash_verify::SamplingSettings {
+        top_p: 0.95,
+        ..dflash_verify::SamplingSettings::sampling(0.8)
+    };
+    let (mut tp, mut tm, mut tv, mut ts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..20 {
         // Materialize one verified row per request (pushed first, as after a commit).
         for &h in &slots {
@@ -336,27 +351,37 @@ fn time_parts(
             .ok_or_else(|| anyhow!("the draft proposer proposes on the device"))?;
         be.synchronize()?;
         tp.push(t0.elapsed().as_secs_f64() * 1e6);
-        let drows: Vec<dflash_verify::DeviceRow<'_>> = token_histories
-            .iter()
-            .map(|h| dflash_verify::DeviceRow {
-                anchor: h.last().unwrap_or(10),
-                proposals: k,
-                settings: dflash_verify::SamplingSettings::GREEDY,
-                seed: 7,
-                frontier: h.len() - 1,
-                history: h,
-            })
-            .collect();
-        let t0 = Instant::now();
-        let pending = verify.verify_device(
-            be,
-            &drows,
-            &round.proposals,
-            TargetLogits::padded(&target.logits),
-        )?;
-        // The proposals of random weights need not be public; only the time matters here.
-        let _ = pending.wait();
-        tv.push(t0.elapsed().as_secs_f64() * 1e6);
+        for (settings, times) in [
+            (dflash_verify::SamplingSettings::GREEDY, &mut tv),
+            (sampled, &mut ts),
+        ] {
+            let drows: Vec<dflash_verify::DeviceRow<'_>> = token_histories
+                .iter()
+                .map(|h| dflash_verify::DeviceRow {
+                    anchor: h.last().unwrap_or(10),
+                    proposals: k,
+                    settings,
+                    seed: 7,
+                    frontier: h.len() - 1,
+                    history: h,
+                })
+                .collect();
+            let t0 = Instant::now();
+            let pending = verify.verify_device(
+                be,
+                &drows,
+                &round.proposals,
+                TargetLogits::padded(&target.logits),
+            )?;
+            // The proposals of random weights need not be public; only the time matters.
+            let _ = pending.wait();
+            times.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
     }
-    Ok((median(&mut tp), median(&mut tm), median(&mut tv)))
+    Ok((
+        median(&mut tp),
+        median(&mut tm),
+        median(&mut tv),
+        median(&mut ts),
+    ))
 }

@@ -393,6 +393,8 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 kind,
             },
         )?;
+        let mut verify = verify;
+        verify.use_graphs(&be, !options.eager);
         let max_frontier = usize::try_from(verify.max_frontier()).unwrap_or(usize::MAX);
         let sampler = Sampler::new(&be, info.vocab_rows, info.public_vocab)?;
         Ok(Engine {
@@ -449,6 +451,13 @@ impl<T: Target, P: Proposer> Engine<T, P> {
     /// The proposer (read access).
     pub fn proposer(&self) -> &P {
         &self.proposer
+    }
+
+    /// The verification's CUDA graphs: device rounds whose verification ops replayed a
+    /// graph, graphs recorded, and why recording stopped, if it did
+    /// ([`VerifyWorkspace::graph_state`]; none on the CPU or with [`EngineOptions::eager`]).
+    pub fn verify_graphs(&self) -> (u64, u64, Option<&str>) {
+        self.verify.graph_state()
     }
 
     /// Counters.

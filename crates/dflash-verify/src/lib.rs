@@ -94,7 +94,7 @@ pub use dflash_ops::target_distribution::Logits;
 pub use dflash_ops::target_distribution::Settings as SamplingSettings;
 
 use dflash_ops::target_distribution::{self, SamplingBuffers};
-use dflash_ops::{Backend, Buffer, Element, PendingRead, chain_accept};
+use dflash_ops::{Backend, Buffer, Element, Graph, PendingRead, chain_accept};
 
 /// Retained candidates per DFlash2 proposal column.
 pub const TOP: usize = chain_accept::TOP;
@@ -337,6 +337,95 @@ pub struct VerifyWorkspace {
     /// rewrites every count.
     counts_synced: bool,
     staging: Staging,
+    graphs: Graphs,
+}
+
+/// The device verifications recorded as CUDA graphs ([`VerifyWorkspace::use_graphs`]).
+///
+/// A graph replays with the addresses it was recorded with, and the target's logits are lent
+/// anew by every verify (a target may move them), so a graph is keyed by everything whose
+/// address or shape it holds: the row count, the logits buffer (address, length, dtype) and
+/// the draft's proposal buffers. A key is recorded the second time it is seen (a target whose
+/// logits never repeat an address runs eagerly and never pays for a capture); at most
+/// [`GRAPH_KEYS`] graphs and as many once-seen keys are kept, the oldest dropped first.
+#[derive(Debug, Default)]
+struct Graphs {
+    on: bool,
+    /// Why recording stopped (a capture failed; the verifications run eagerly).
+    refused: Option<String>,
+    recorded: Vec<(GraphKey, Graph)>,
+    seen: Vec<GraphKey>,
+    replays: u64,
+    captures: u64,
+}
+
+/// Most graphs (and once-seen keys) a workspace keeps.
+pub const GRAPH_KEYS: usize = 32;
+
+/// What a recorded device verification holds fixed (see [`Graphs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GraphKey {
+    rows: usize,
+    logits: (u64, usize, bool),
+    ids: (u64, usize),
+    top16: Option<(u64, usize, u64, usize)>,
+}
+
+impl GraphKey {
+    fn of(rows: usize, logits: &Logits<'_>, proposals: &DeviceProposals<'_>) -> Self {
+        let logits = match logits {
+            Logits::F32(b) => (b.address(), b.len(), false),
+            Logits::Bf16(b) => (b.address(), b.len(), true),
+        };
+        GraphKey {
+            rows,
+            logits,
+            ids: (proposals.ids.address(), proposals.ids.len()),
+            top16: proposals.top16.map(|t| {
+                (
+                    t.candidates.address(),
+                    t.candidates.len(),
+                    t.q.address(),
+                    t.q.len(),
+                )
+            }),
+        }
+    }
+}
+
+/// How [`VerifyWorkspace::verify_device`] runs its device work this time.
+enum Run {
+    Eager,
+    Capture,
+    Replay(usize),
+}
+
+impl Graphs {
+    fn plan(&mut self, key: GraphKey) -> Run {
+        if !self.on || self.refused.is_some() {
+            return Run::Eager;
+        }
+        if let Some(i) = self.recorded.iter().position(|(k, _)| *k == key) {
+            return Run::Replay(i);
+        }
+        if let Some(i) = self.seen.iter().position(|k| *k == key) {
+            self.seen.remove(i);
+            return Run::Capture;
+        }
+        if self.seen.len() == GRAPH_KEYS {
+            self.seen.remove(0);
+        }
+        self.seen.push(key);
+        Run::Eager
+    }
+
+    fn keep(&mut self, key: GraphKey, graph: Graph) {
+        if self.recorded.len() == GRAPH_KEYS {
+            self.recorded.remove(0);
+        }
+        self.recorded.push((key, graph));
+        self.captures += 1;
+    }
 }
 
 /// Reused host staging of the per-round metadata.
@@ -430,6 +519,7 @@ impl VerifyWorkspace {
             slot_ids: vec![Vec::new(); b],
             counts_synced: true,
             staging: Staging::default(),
+            graphs: Graphs::default(),
         })
     }
 
@@ -576,13 +666,75 @@ impl VerifyWorkspace {
             return self.queue_outcomes(be, &metas, Some(n * k));
         }
         self.stage(be, &metas, logits.layout)?;
+        let key = GraphKey::of(n, &logits.values, proposals);
+        match self.graphs.plan(key) {
+            Run::Eager => self.device_work(be, n, proposals, logits.values)?,
+            Run::Replay(i) => {
+                self.graphs.recorded[i].1.launch()?;
+                self.graphs.replays += 1;
+            }
+            Run::Capture => {
+                // The device work only fails with an op's error (everything else was checked).
+                let record = || {
+                    self.device_work(be, n, proposals, logits.values)
+                        .map_err(|e| match e {
+                            VerifyError::Ops(o) => o,
+                            other => dflash_ops::OpsError::Capture {
+                                problem: other.to_string(),
+                            },
+                        })
+                };
+                match be.capture(record) {
+                    Ok(graph) => {
+                        graph.launch()?;
+                        self.graphs.keep(key, graph);
+                        self.graphs.replays += 1;
+                    }
+                    Err(e) => {
+                        // Nothing was run: run it eagerly, and from now on every time.
+                        self.graphs.refused = Some(e.to_string());
+                        self.device_work(be, n, proposals, logits.values)?;
+                    }
+                }
+            }
+        }
+        self.queue_outcomes(be, &metas, Some(n * k))
+    }
+
+    /// Replay device verifications from CUDA graphs (`on`, on a backend that can record:
+    /// [`Backend::can_capture`]) or run them op by op (the default). A graph holds the
+    /// copies of the draft's proposals and the two ops of [`Self::verify_device`]; the
+    /// metadata is written before each replay. See [`Self::graph_state`].
+    pub fn use_graphs(&mut self, be: &Backend, on: bool) {
+        self.graphs.on = on && be.can_capture().is_ok();
+    }
+
+    /// Device verifications so far that replayed a graph, graphs recorded, and why
+    /// recording stopped (a capture failed: every verification runs op by op since).
+    pub fn graph_state(&self) -> (u64, u64, Option<&str>) {
+        (
+            self.graphs.replays,
+            self.graphs.captures,
+            self.graphs.refused.as_deref(),
+        )
+    }
+
+    /// The device work of [`Self::verify_device`] after its metadata: the draft's proposals
+    /// (and DFlash2's candidates and q) copied into the workspace, then the two ops.
+    fn device_work(
+        &mut self,
+        be: &Backend,
+        n: usize,
+        proposals: &DeviceProposals<'_>,
+        logits: Logits<'_>,
+    ) -> Result<()> {
+        let k = self.shape.cols - 1;
         be.copy(proposals.ids, 0, &mut self.proposals, 0, n * k)?;
         if let Some(t) = &proposals.top16 {
             be.copy(t.candidates, 0, &mut self.ids, 0, n * k * TOP)?;
             be.copy(t.q, 0, &mut self.q, 0, n * k * TOP)?;
         }
-        self.launch(be, n, logits.values)?;
-        self.queue_outcomes(be, &metas, Some(n * k))
+        self.launch(be, n, logits)
     }
 
     /// Each row's first logits column in `layout` with `w` columns a row (`r * w` padded; the
@@ -1269,5 +1421,62 @@ fn validate_q(rq: &RetainedQ, proposal: u32) -> std::result::Result<(), QFault> 
             slot,
         }),
         Some(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod graph_tests {
+    use super::*;
+
+    fn key(rows: usize, addr: u64) -> GraphKey {
+        GraphKey {
+            rows,
+            logits: (addr, 4096, false),
+            ids: (7, 16),
+            top16: None,
+        }
+    }
+
+    #[test]
+    fn a_verification_key_is_recorded_the_second_time_it_is_seen() {
+        let mut g = Graphs::default();
+        // Off (the default, the CPU, eager mode): always eager, nothing remembered.
+        assert!(matches!(g.plan(key(1, 10)), Run::Eager));
+        assert!(matches!(g.plan(key(1, 10)), Run::Eager));
+        assert!(g.seen.is_empty());
+        g.on = true;
+        assert!(matches!(g.plan(key(1, 10)), Run::Eager));
+        assert!(
+            matches!(g.plan(key(2, 10)), Run::Eager),
+            "rows are part of the key"
+        );
+        assert!(
+            matches!(g.plan(key(1, 11)), Run::Eager),
+            "so is the logits address"
+        );
+        assert!(matches!(g.plan(key(1, 10)), Run::Capture));
+        // A capture that did not keep a graph starts over (seen once more).
+        assert!(matches!(g.plan(key(1, 10)), Run::Eager));
+        assert!(matches!(g.plan(key(1, 10)), Run::Capture));
+        // A refused capture turns recording off for good.
+        g.refused = Some("driver said no".into());
+        assert!(matches!(g.plan(key(2, 10)), Run::Eager));
+        assert!(matches!(g.plan(key(2, 10)), Run::Eager));
+    }
+
+    #[test]
+    fn a_target_whose_logits_never_repeat_an_address_never_records() {
+        let mut g = Graphs {
+            on: true,
+            ..Graphs::default()
+        };
+        for addr in 0..4 * GRAPH_KEYS as u64 {
+            assert!(matches!(g.plan(key(1, addr)), Run::Eager));
+        }
+        assert_eq!(g.seen.len(), GRAPH_KEYS, "once-seen keys are bounded");
+        // The oldest once-seen keys were dropped: seeing one again starts over.
+        assert!(matches!(g.plan(key(1, 0)), Run::Eager));
+        let last = 4 * GRAPH_KEYS as u64 - 1;
+        assert!(matches!(g.plan(key(1, last)), Run::Capture));
     }
 }

@@ -645,12 +645,14 @@ fn engine_rounds(
          round's one read and the engine's host work; the parts alone (each queued, then \
          waited for; median of 20): propose = stage + block graph + verify-input assembly, \
          materialize = the batched materialize of one verified row per request, verify = the \
-         verification ops and the round's read; host = round - (propose + materialize + \
-         verify): the engine's own work\n\n\
+         verification ops and the round's read (greedy, as the rounds; sampled: every row at \
+         T = 0.8, top-p 0.95); host = round - (propose + materialize + verify): the engine's \
+         own work; replayed: the draft block / the verification ops replayed a graph in every \
+         timed round\n\n\
          | draft | B | K | context | block us | round us | rest us | rest / round | \
-         propose us | materialize us | verify us | host us | host / round | \
+         propose us | materialize us | verify us | verify sampled us | host us | host / round | \
          allocations / round | synchronizations / round | every round replayed |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         utc_now(),
         info.name,
         info.arch,
@@ -690,7 +692,7 @@ fn engine_rounds(
             let host = r.median_us - (r.propose_us + r.materialize_us + r.verify_us);
             let line = format!(
                 "| {} | {b} | {k} | {ctx} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | \
-                 {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} |\n",
+                 {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} / {} |\n",
                 d.name,
                 block.median_us,
                 r.median_us,
@@ -699,11 +701,13 @@ fn engine_rounds(
                 r.propose_us,
                 r.materialize_us,
                 r.verify_us,
+                r.verify_sampled_us,
                 host,
                 host / r.median_us,
                 r.allocations_per_round,
                 r.syncs_per_round,
-                if r.replayed { "yes" } else { "NO" }
+                if r.replayed { "yes" } else { "NO" },
+                if r.verify_replayed { "yes" } else { "NO" }
             );
             eprint!("{line}");
             md.push_str(&line);
@@ -715,10 +719,12 @@ fn engine_rounds(
                 "propose_us": (r.propose_us * 10.0).round() / 10.0,
                 "materialize_us": (r.materialize_us * 10.0).round() / 10.0,
                 "verify_us": (r.verify_us * 10.0).round() / 10.0,
+                "verify_sampled_us": (r.verify_sampled_us * 10.0).round() / 10.0,
                 "host_us": (host * 10.0).round() / 10.0,
                 "allocations_per_round": r.allocations_per_round,
                 "synchronizations_per_round": r.syncs_per_round,
                 "rounds": r.rounds, "replayed": r.replayed,
+                "verify_replayed": r.verify_replayed,
             }));
         }
     }

@@ -15,7 +15,8 @@
 //! [`KernelVariants::Portable`]; both variants keep the same contract and pass the same
 //! conformance cases. On compute capability 9.0 and later the ops of
 //! [`DEPENDENT_LAUNCH_OPS`] also launch kernels as programmatic dependents of the kernel
-//! queued before each (not under [`KernelVariants::Portable`]).
+//! queued before each, and the ops of [`CLUSTER_OPS`] launch thread-block clusters (neither
+//! under [`KernelVariants::Portable`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -51,7 +52,7 @@ pub enum KernelVariants {
     #[default]
     Auto,
     /// Only the portable variants (what every sm_80+ device runs), launched as ordinary
-    /// kernels (no programmatic dependent launch, see `CudaBackend::launch_ex`), e.g.
+    /// kernels (no programmatic dependent launch and no clusters, see `CudaBackend::launch_ex`), e.g.
     /// to compare the two on a Hopper GPU.
     Portable,
 }
@@ -80,6 +81,11 @@ pub const DEPENDENT_LAUNCH_OPS: [&str; 2] = [
     crate::sliding_window_attention::OP,
 ];
 
+/// Ops that launch thread-block clusters on compute capability 9.0 and later
+/// (`CudaBackend::launch_ex`: `target_distribution` spreads each verify column over a cluster
+/// of blocks), unless [`KernelVariants::Portable`].
+pub const CLUSTER_OPS: [&str; 1] = [crate::target_distribution::OP];
+
 /// The architecture the `sm_90a` variants are compiled for.
 pub(crate) const SM90A: &str = "sm_90a";
 
@@ -89,6 +95,7 @@ struct Inner {
     arch: String,
     sm90a: bool,
     dependent_launch: bool,
+    clusters: bool,
     include_dir: String,
     limits: DeviceLimits,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
@@ -211,6 +218,8 @@ pub(crate) enum RawArg {
     Ptr(u64),
     /// An `int`.
     I32(i32),
+    /// A `long long`.
+    I64(i64),
 }
 
 /// Identification of a CUDA device and its software stack.
@@ -516,6 +525,7 @@ impl CudaBackend {
                 arch: format!("sm_{major}{minor}"),
                 sm90a: options.kernels == KernelVariants::Auto && (major, minor) == (9, 0),
                 dependent_launch: options.kernels == KernelVariants::Auto && major >= 9,
+                clusters: options.kernels == KernelVariants::Auto && major >= 9,
                 include_dir,
                 limits,
                 modules: Mutex::new(HashMap::new()),
@@ -780,8 +790,17 @@ impl CudaBackend {
         self.inner.dependent_launch
     }
 
+    /// Whether the ops of [`CLUSTER_OPS`] launch thread-block clusters, several blocks
+    /// sharing one work item through distributed shared memory (compute capability 9.0 and
+    /// later, [`KernelVariants::Auto`]); otherwise each of their work items is one block.
+    pub fn uses_clusters(&self) -> bool {
+        self.inner.clusters
+    }
+
     /// Launch `func` on the stream (`cfg`: grid, block, dynamic shared memory) through
-    /// cuLaunchKernelEx: as a programmatic dependent of the kernel queued before it
+    /// cuLaunchKernelEx, in clusters of `cluster` consecutive blocks along x when
+    /// `cluster > 1` (the caller checks [`Self::uses_clusters`] and that `cluster` divides
+    /// the grid's x; at most 8), and as a programmatic dependent of the kernel queued before it
     /// (programmatic stream serialization) when `dependent` and
     /// [`Self::uses_dependent_launch`], else as an ordinary launch. A dependent launch may
     /// start as soon as every block of the kernel
@@ -802,6 +821,7 @@ impl CudaBackend {
         args: &mut [RawArg],
         what: &str,
         dependent: bool,
+        cluster: u32,
     ) -> Result<()> {
         use cudarc::driver::sys;
         let mut params: Vec<*mut std::ffi::c_void> = args
@@ -809,15 +829,43 @@ impl CudaBackend {
             .map(|a| match a {
                 RawArg::Ptr(p) => (p as *mut u64).cast(),
                 RawArg::I32(v) => (v as *mut i32).cast(),
+                RawArg::I64(v) => (v as *mut i64).cast(),
             })
             .collect();
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
-            },
-        };
+        let mut attrs = Vec::with_capacity(2);
+        if dependent && self.inner.dependent_launch {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            });
+        }
+        if cluster > 1 {
+            if !self.inner.clusters || cluster > 8 || cfg.grid_dim.0 % cluster != 0 {
+                return Err(OpsError::Cuda {
+                    context: format!("launching {what}"),
+                    message: format!(
+                        "a cluster of {cluster} blocks (grid x {}; clusters {}): needs \
+                         compute capability 9.0, at most 8 blocks, dividing the grid",
+                        cfg.grid_dim.0,
+                        if self.inner.clusters { "on" } else { "off" }
+                    ),
+                });
+            }
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                        x: cluster,
+                        y: 1,
+                        z: 1,
+                    },
+                },
+            });
+        }
         let launch = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -827,15 +875,15 @@ impl CudaBackend {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.inner.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(dependent && self.inner.dependent_launch),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
         };
         self.inner
             .ctx
             .bind_to_thread()
             .map_err(cuda_err(format!("binding the context for {what}")))?;
         // SAFETY: the caller guarantees `args`, which `params` points into (both outlive the
-        // call, as do `launch` and its attribute).
+        // call, as do `launch` and its attributes).
         let status = unsafe {
             sys::cuLaunchKernelEx(
                 &launch,

@@ -277,7 +277,7 @@ pub(crate) fn launch(
         // to the end of this block. Every split block calls df_pdl_wait before it reads
         // anything (its first statement), so the kernel ahead has finished by then.
         let dependent = form.dependent_launch();
-        unsafe { c.launch_ex(&kernel.func, split_cfg, &mut split_args, name, dependent) }?;
+        unsafe { c.launch_ex(&kernel.func, split_cfg, &mut split_args, name, dependent, 1) }?;
     }
     let (ws_p, _ws) = workspace.device(op, "workspace")?.device_ptr(stream);
     let (start_p, _start) = t.start_pos.device(op, "start_pos")?.device_ptr(stream);
@@ -327,7 +327,7 @@ pub(crate) fn launch(
     // Before df_pdl_wait the merge reads only row metadata, which the split never writes and
     // whose writers finished before the split let the merge start (each split block triggers
     // only after its own df_pdl_wait); every block waits.
-    unsafe { c.launch_ex(&merge, merge_cfg, &mut merge_args, merge_name, true) }
+    unsafe { c.launch_ex(&merge, merge_cfg, &mut merge_args, merge_name, true, 1) }
 }
 
 pub(super) fn run(

@@ -1,8 +1,8 @@
 //! CUDA launcher of `target_distribution` (kernels/target_distribution.cu).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
-use crate::cuda::{CudaBackend, cuda_err};
+use crate::cuda::{CudaBackend, RawArg};
 use crate::{Buffer, Result};
 
 use super::{Columns, Logits, OP, Outputs, Params, Sampling};
@@ -15,6 +15,12 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 /// Threads per block (must match `TD_THREADS` in the kernel).
 const THREADS: u32 = 512;
 
+/// Blocks per verify column when the backend launches clusters (`CudaBackend::uses_clusters`:
+/// one cluster a column, each block streaming an eighth of the vocabulary); one block a column
+/// otherwise. Fixed, not chosen per call, so that a column's `p` never depends on the batch
+/// it is verified in (the blocks' parts of `S` are summed in rank order).
+const CLUSTER: u32 = 8;
+
 pub(super) fn run(
     c: &CudaBackend,
     logits: Logits<'_>,
@@ -26,14 +32,15 @@ pub(super) fn run(
     out: Outputs<'_>,
     params: &Params,
 ) -> Result<()> {
-    let blocks = params.rows * params.cols;
+    let cluster = if c.uses_clusters() { CLUSTER } else { 1 };
+    let blocks = params.rows * params.cols * cluster as usize;
     if blocks == 0 {
         return Ok(());
     }
     let grid = u32::try_from(blocks).map_err(|_| crate::OpsError::Param {
         op: OP,
         param: "rows",
-        expected: "rows * cols below 2^32 blocks".into(),
+        expected: format!("rows * cols * {cluster} below 2^32 blocks"),
         found: params.rows.to_string(),
     })?;
     let entry = match logits {
@@ -65,37 +72,52 @@ pub(super) fn run(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = c.stream().launch_builder(&f);
-    match logits {
-        Logits::F32(l) => b.arg(l.device(OP, "logits")?),
-        Logits::Bf16(l) => b.arg(l.device(OP, "logits")?),
+    let stream = c.stream();
+    let (logits_p, _l) = match logits {
+        Logits::F32(l) => l.device(OP, "logits")?.device_ptr(stream),
+        Logits::Bf16(l) => l.device(OP, "logits")?.device_ptr(stream),
     };
-    b.arg(&logit_cols);
-    b.arg(col_start.device(OP, "col_start")?);
-    b.arg(&starts);
-    b.arg(live.device(OP, "live")?);
-    b.arg(counts.device(OP, "counts")?);
-    b.arg(proposals.device(OP, "proposals")?);
-    b.arg(s.temperature.device(OP, "temperature")?);
-    b.arg(s.top_k.device(OP, "top_k")?);
-    b.arg(s.top_p.device(OP, "top_p")?);
-    b.arg(s.min_p.device(OP, "min_p")?);
-    b.arg(s.repetition_penalty.device(OP, "repetition_penalty")?);
-    b.arg(s.frequency_penalty.device(OP, "frequency_penalty")?);
-    b.arg(s.presence_penalty.device(OP, "presence_penalty")?);
-    b.arg(p.device_mut(OP, "p")?);
-    match greedy {
-        Some(g) => b.arg(g.device_mut(OP, "greedy")?),
-        None => b.arg(live.device(OP, "live")?),
+    let (start_p, _cs) = col_start.device(OP, "col_start")?.device_ptr(stream);
+    let (live_p, _lv) = live.device(OP, "live")?.device_ptr(stream);
+    let (counts_p, _ct) = counts.device(OP, "counts")?.device_ptr(stream);
+    let (prop_p, _pr) = proposals.device(OP, "proposals")?.device_ptr(stream);
+    let (t_p, _t) = s.temperature.device(OP, "temperature")?.device_ptr(stream);
+    let (k_p, _k) = s.top_k.device(OP, "top_k")?.device_ptr(stream);
+    let (tp_p, _tp) = s.top_p.device(OP, "top_p")?.device_ptr(stream);
+    let (mp_p, _mp) = s.min_p.device(OP, "min_p")?.device_ptr(stream);
+    let (rep_p, _rep) = s
+        .repetition_penalty
+        .device(OP, "repetition_penalty")?
+        .device_ptr(stream);
+    let (freq_p, _freq) = s
+        .frequency_penalty
+        .device(OP, "frequency_penalty")?
+        .device_ptr(stream);
+    let (pres_p, _pres) = s
+        .presence_penalty
+        .device(OP, "presence_penalty")?
+        .device_ptr(stream);
+    let (p_p, _p) = p.device_mut(OP, "p")?.device_ptr_mut(stream);
+    let (greedy_p, _g) = match greedy {
+        Some(g) => g.device_mut(OP, "greedy")?.device_ptr_mut(stream),
+        None => live.device(OP, "live")?.device_ptr(stream),
     };
-    b.arg(&live_form);
-    b.arg(&rows);
-    b.arg(&cols);
-    b.arg(&vocab);
-    b.arg(&public_vocab);
+    let mut args = vec![
+        RawArg::Ptr(logits_p),
+        RawArg::I64(logit_cols),
+        RawArg::Ptr(start_p),
+        RawArg::I32(starts),
+    ];
+    args.extend(
+        [
+            live_p, counts_p, prop_p, t_p, k_p, tp_p, mp_p, rep_p, freq_p, pres_p, p_p, greedy_p,
+        ]
+        .map(RawArg::Ptr),
+    );
+    args.extend([live_form, rows, cols, vocab, public_vocab].map(RawArg::I32));
     // SAFETY: argument types and order match target_distribution_kernel and
     // target_distribution_bf16_kernel; every length was checked by `run_with` against the
-    // static shape the kernel indexes with (logits columns bounded by `logit_cols`).
-    unsafe { b.launch(cfg) }.map_err(cuda_err(format!("launching {entry}")))?;
-    Ok(())
+    // static shape the kernel indexes with (logits columns bounded by `logit_cols`); the
+    // pointers' guards live to the end of this function; `grid` is a multiple of `cluster`.
+    unsafe { c.launch_ex(&f, cfg, &mut args, entry, false, cluster) }
 }

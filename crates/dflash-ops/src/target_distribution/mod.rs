@@ -93,17 +93,24 @@
 //!   (fixtures keep decision margins far above 2^-40). `greedy`: exact. The `p` elements a
 //!   `Live` call leaves alone: exact (still the poison).
 //!
-//! CUDA. One block of 512 threads per (row, column); entries `target_distribution_kernel`
-//! (f32 logits) and `target_distribution_bf16_kernel` (bf16 logits, each widened by a 16-bit
-//! shift of its bits). Pass 1 reduces the argmax (each thread issues the count and logit loads
-//! of 8 ids before using them, keeping its ascending visiting order); a greedy column stores
-//! nothing in it and then
-//! writes its one-hot row (`Full`) or its id (`Live`). A sampled column's pass 1 writes `z`
-//! into its own `p` row (scratch); top-k and top-p thresholds are found by a 4-pass radix
-//! select (8 bits per pass) on the order-preserving u32 key of `z` (counts for top-k, u64
-//! masses with integer shared-memory atomics for top-p, so the result is exact and
-//! deterministic); then one f64 sum pass and one write pass. A thread only ever reads back the
-//! `p` elements it wrote itself; every logits read is inside the checked column `c(r, i)`.
+//! CUDA. One cluster of 8 blocks of 512 threads per (row, column) on compute capability 9.0
+//! and later (`CudaBackend::uses_clusters`), one block elsewhere and under
+//! `KernelVariants::Portable`; entries `target_distribution_kernel` (f32 logits) and
+//! `target_distribution_bf16_kernel` (bf16 logits, each widened by a 16-bit shift of its
+//! bits). Block `k` of a column's cluster owns the ids `k * 512 + t + j * 4096` (thread `t`),
+//! the same ids in every pass. Pass 1 reduces each block's argmax (each thread issues the
+//! count and logit loads of 8 ids before using them); the blocks' results are merged with the
+//! lowest-id rule through distributed shared memory, so every block holds the same argmax. A
+//! greedy column then writes its one-hot row (`Full`) or its id (`Live`). A sampled column's
+//! pass 1 writes `z` into its own `p` row (scratch); top-k and top-p thresholds are found by a
+//! 4-pass radix select (8 bits per pass) on the order-preserving u32 key of `z`: each block
+//! counts its ids (u32 counts for top-k, u64 masses for top-p, shared-memory integer atomics)
+//! and every block sums the cluster's histograms, so the thresholds are exact, deterministic
+//! and the same in every block; then each block's f64 part of `S`, summed in block order by
+//! every block (a column's `S`, so its `p`, never depends on the batch it is in), and one
+//! write pass. A thread only ever reads back the `p` elements it wrote itself; every logits
+//! read is inside the checked column `c(r, i)`. Measured on the H200 (K = 15, one request,
+//! official vocabulary): see `docs/performance-engine_round.md`.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -634,6 +641,78 @@ pub(crate) fn case_data(
     }
 }
 
+/// What a conformance case's inputs are.
+#[cfg(any(test, feature = "conformance"))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Data {
+    /// [`case_data`].
+    Plain,
+    /// [`tie_case_data`].
+    Ties,
+}
+
+#[cfg(any(test, feature = "conformance"))]
+impl Data {
+    fn make(
+        self,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        public_vocab: usize,
+        seed: u64,
+        settings: &[Settings],
+    ) -> CaseData {
+        match self {
+            Data::Plain => case_data(rows, cols, vocab, public_vocab, seed, settings),
+            Data::Ties => tie_case_data(rows, cols, vocab, public_vocab, seed, settings),
+        }
+    }
+}
+
+/// Ids [`tie_case_data`] ties at the top of every column: spread over the vocabulary so that
+/// on CUDA they fall in different blocks of a column's cluster (block `k` of 8 owns the ids
+/// `k * 512 .. k * 512 + 511` modulo 4096), the lowest in block 0.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) const TIE_IDS: [usize; 5] = [37, 600, 1100, 1450, 3900];
+
+/// [`case_data`] with every column's largest logit (9.0, above the strong tokens) at each of
+/// the [`TIE_IDS`] below `public_vocab` and a count of zero there: the greedy argmax is a tie
+/// broken by the lowest id, and a small top-k keeps the whole tie. The proposals of the plain
+/// data (mostly the column's argmax, now the lowest tied id) then penalize that id in the
+/// later columns of the row, moving the tie to the next ids.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) fn tie_case_data(
+    rows: usize,
+    cols: usize,
+    vocab: usize,
+    public_vocab: usize,
+    seed: u64,
+    settings: &[Settings],
+) -> CaseData {
+    let mut d = case_data(rows, cols, vocab, public_vocab, seed, settings);
+    let ids = TIE_IDS.iter().copied().filter(|&v| v < public_vocab);
+    for rc in 0..rows * cols {
+        for v in ids.clone() {
+            d.logits[rc * vocab + v] = 9.0;
+        }
+    }
+    for r in 0..rows {
+        for v in ids.clone() {
+            d.counts[r * vocab + v] = 0;
+        }
+        for j in 0..cols - 1 {
+            // The plain proposal of column j was its argmax: now the lowest tied id that
+            // the history has not penalized (the row's earlier proposals), as a drafter
+            // that agrees with the target would propose.
+            let taken = &d.proposals[r * (cols - 1)..r * (cols - 1) + j];
+            if let Some(v) = ids.clone().find(|&v| !taken.contains(&(v as i32))) {
+                d.proposals[r * (cols - 1) + j] = v as i32;
+            }
+        }
+    }
+    d
+}
+
 /// The settings mix of the cases: greedy, plain sampling, every filter, penalties.
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn settings_mix() -> Vec<Settings> {
@@ -674,6 +753,16 @@ pub(crate) fn settings_mix() -> Vec<Settings> {
             presence_penalty: 0.0,
         },
     ]
+}
+
+/// The settings of the tie cases: [`settings_mix`] with top-k values (3 and 2) below the
+/// number of tied ids, so that the boundary falls inside the tie.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) fn tie_settings() -> Vec<Settings> {
+    let mut s = settings_mix();
+    s[2].top_k = 3;
+    s[5].top_k = 2;
+    s
 }
 
 /// A case's sampling settings uploaded as the seven per-row buffers (checked unchanged after
@@ -735,9 +824,10 @@ fn case(
     public_vocab: usize,
     seed: u64,
     settings: Vec<Settings>,
+    data: Data,
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
-        let d = case_data(rows, cols, vocab, public_vocab, seed, &settings);
+        let d = data.make(rows, cols, vocab, public_vocab, seed, &settings);
         let mut inputs = InputCheck::default();
         let logits = inputs.upload(be, "logits", &d.logits)?;
         let live = inputs.upload(be, "live", &d.live)?;
@@ -837,9 +927,10 @@ fn live_case(
     settings: Vec<Settings>,
     dtype: DType,
     layout: CaseLayout,
+    data: Data,
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
-        let d = case_data(rows, cols, vocab, public_vocab, seed, &settings);
+        let d = data.make(rows, cols, vocab, public_vocab, seed, &settings);
         let (values, col_start) = stored_logits(&d, cols, vocab, layout);
         let mut inputs = InputCheck::default();
         let held = if dtype == DType::BF16 {
@@ -957,7 +1048,7 @@ pub(crate) fn cases() -> Vec<Case> {
         Case::new(
             OP,
             "rows8_cols16_v4096_mixed_settings",
-            case(8, 16, 4096, 4000, 11, settings_mix()),
+            case(8, 16, 4096, 4000, 11, settings_mix(), Data::Plain),
         ),
         Case::new(
             OP,
@@ -969,6 +1060,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 OFFICIAL_PUBLIC,
                 12,
                 vec![settings_mix()[2]],
+                Data::Plain,
             ),
         ),
         Case::new(
@@ -981,12 +1073,21 @@ pub(crate) fn cases() -> Vec<Case> {
                 OFFICIAL_PUBLIC,
                 13,
                 vec![settings_mix()[0]],
+                Data::Plain,
             ),
         ),
         Case::new(
             OP,
             "rows8_cols16_official_vocab_mixed_settings",
-            case(8, 16, OFFICIAL_VOCAB, OFFICIAL_PUBLIC, 14, settings_mix()),
+            case(
+                8,
+                16,
+                OFFICIAL_VOCAB,
+                OFFICIAL_PUBLIC,
+                14,
+                settings_mix(),
+                Data::Plain,
+            ),
         )
         .heavy(),
         // The `Live` form (greedy ids, p rows of sampled columns only, p poisoned), logits
@@ -1003,6 +1104,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 settings_mix(),
                 DType::F32,
                 CaseLayout::Padded,
+                Data::Plain,
             ),
         ),
         Case::new(
@@ -1017,6 +1119,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 settings_mix(),
                 DType::BF16,
                 CaseLayout::Packed,
+                Data::Plain,
             ),
         ),
         Case::new(
@@ -1031,6 +1134,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 vec![settings_mix()[0]],
                 DType::BF16,
                 CaseLayout::Packed,
+                Data::Plain,
             ),
         ),
         Case::new(
@@ -1045,6 +1149,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 vec![settings_mix()[2]],
                 DType::F32,
                 CaseLayout::Packed,
+                Data::Plain,
             ),
         ),
         Case::new(
@@ -1059,6 +1164,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 settings_mix(),
                 DType::BF16,
                 CaseLayout::Packed,
+                Data::Plain,
             ),
         )
         .heavy(),
@@ -1074,8 +1180,47 @@ pub(crate) fn cases() -> Vec<Case> {
                 settings_mix(),
                 DType::F32,
                 CaseLayout::Padded,
+                Data::Plain,
             ),
         )
         .heavy(),
+        // Ties at the top of every column across the blocks of a CUDA column's cluster (the
+        // argmax's lowest id, a top-k boundary keeping the whole tie), and a vocabulary that
+        // leaves most of a cluster's blocks without a public id.
+        Case::new(
+            OP,
+            "rows6_cols6_v4096_ties_mixed",
+            case(6, 6, 4096, 4000, 21, tie_settings(), Data::Ties),
+        ),
+        Case::new(
+            OP,
+            "rows6_cols6_v1500_live_f32_padded_ties_mixed",
+            live_case(
+                6,
+                6,
+                1500,
+                1460,
+                22,
+                tie_settings(),
+                DType::F32,
+                CaseLayout::Padded,
+                Data::Ties,
+            ),
+        ),
+        Case::new(
+            OP,
+            "rows6_cols16_official_vocab_live_bf16_packed_ties_mixed",
+            live_case(
+                6,
+                16,
+                OFFICIAL_VOCAB,
+                OFFICIAL_PUBLIC,
+                23,
+                tie_settings(),
+                DType::BF16,
+                CaseLayout::Packed,
+                Data::Ties,
+            ),
+        ),
     ]
 }

@@ -500,6 +500,76 @@ fn registered_light_cases_have_margins_and_mix_behaviours() {
     );
 }
 
+#[test]
+fn tie_cases_tie_the_argmax_across_blocks_and_at_the_top_k_boundary() {
+    // The tie data is what the CUDA cluster's cross-block merges must get right: a greedy
+    // column's argmax is a tie whose lowest id is not in the first slice of the vocabulary
+    // once the history has penalized the lower ones, and a top-k boundary keeps every tied id.
+    let (rows, cols, vocab, public) = (6, 6, 4096, 4000);
+    let d = tie_case_data(rows, cols, vocab, public, 21, &tie_settings());
+    let params = Params {
+        rows,
+        cols,
+        vocab,
+        public_vocab: public,
+    };
+    let p = run_cpu(
+        &d.logits,
+        &d.live,
+        &d.counts,
+        &d.proposals,
+        &d.settings,
+        params,
+    )
+    .expect("run");
+    let (mut greedy_past_first_block, mut topk_ties) = (0, 0);
+    for r in 0..rows {
+        let s = d.settings[r];
+        for i in 0..d.live[r] as usize {
+            let col = &p[(r * cols + i) * vocab..(r * cols + i + 1) * vocab];
+            // The tied ids the history leaves unpenalized (proposals d_1..d_i, when the row
+            // has penalties; all of them lower a logit of 9 below the tie).
+            let penalized = s.repetition_penalty != 1.0
+                || s.frequency_penalty != 0.0
+                || s.presence_penalty != 0.0;
+            let hist = if penalized {
+                &d.proposals[r * (cols - 1)..r * (cols - 1) + i]
+            } else {
+                &[][..]
+            };
+            let free: Vec<usize> = TIE_IDS
+                .iter()
+                .copied()
+                .filter(|&v| v < public && !hist.contains(&(v as i32)))
+                .collect();
+            if free.is_empty() {
+                continue; // every tied id penalized (the row's proposals took them all)
+            }
+            if s.temperature <= 0.0 {
+                let g = col.iter().position(|&x| x == 1.0).expect("one-hot");
+                assert_eq!(
+                    g, free[0],
+                    "row {r} column {i}: the lowest unpenalized tied id"
+                );
+                if g >= 512 {
+                    greedy_past_first_block += 1;
+                }
+            } else if s.top_k > 0 && (s.top_k as usize) < free.len() {
+                assert!(
+                    free.iter().all(|&v| col[v] > 0.0),
+                    "row {r} column {i}: top-k {} keeps the whole tie {free:?}",
+                    s.top_k
+                );
+                topk_ties += 1;
+            }
+        }
+    }
+    assert!(
+        greedy_past_first_block > 0 && topk_ties > 0,
+        "{greedy_past_first_block} {topk_ties}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The `Live` form, dtypes and column layouts.
 

@@ -1,14 +1,14 @@
 //! The CUDA conformance runner: every registry case on the GPU against the CPU reference.
 //!
-//! `dflash-conformance [--out DIR] [--only SUBSTRING] [--skip-heavy] [--exclude SUBSTRING]`
+//! `dflash-conformance [--out DIR] [--only SUBSTRING[,SUBSTRING..]] [--skip-heavy] [--exclude SUBSTRING]`
 //! (`--exclude` skips the heavy cases whose `op/case` contains the substring): prints a table, writes
 //! `DIR/conformance.md` and `DIR/conformance.json`. Exit status 0 when every case passes,
 //! 1 when one fails, 3 when there is no usable CUDA device (driver missing, no GPU).
 //!
 //! On a device where ops of `ARCH_SPECIFIC_OPS` use their sm_90a variant (or those of
-//! `DEPENDENT_LAUNCH_OPS` their programmatic dependent launch), their cases run twice: on the
-//! default backend and on one restricted to the portable kernels and ordinary launches (rows
-//! `case [portable]`).
+//! `DEPENDENT_LAUNCH_OPS` their programmatic dependent launch, or those of `CLUSTER_OPS` their
+//! thread-block clusters), their cases run twice: on the default backend and on one restricted
+//! to the portable kernels and ordinary launches (rows `case [portable]`).
 
 // First: its macros serve the modules below.
 #[macro_use]
@@ -29,7 +29,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use dflash_ops::Backend;
 use dflash_ops::cuda::{
-    ARCH_SPECIFIC_OPS, CudaBackend, CudaOptions, DEPENDENT_LAUNCH_OPS, KernelVariants,
+    ARCH_SPECIFIC_OPS, CLUSTER_OPS, CudaBackend, CudaOptions, DEPENDENT_LAUNCH_OPS, KernelVariants,
 };
 use dflash_ops::registry::{self, Case, CaseRun, Comparison};
 
@@ -142,9 +142,9 @@ fn run() -> Result<ExitCode> {
     };
     let info = cuda.device_info().context("reading device info")?;
     let gpu = Backend::Cuda(cuda.clone());
-    // On a device where some ops use an architecture-specific variant or a dependent launch,
-    // their cases run a second time on a backend restricted to the portable kernels.
-    let portable = if cuda.uses_sm90a() || cuda.uses_dependent_launch() {
+    // On a device where some ops use an architecture-specific variant, a dependent launch or
+    // clusters, their cases run a second time on a backend restricted to the portable kernels.
+    let portable = if cuda.uses_sm90a() || cuda.uses_dependent_launch() || cuda.uses_clusters() {
         let options = CudaOptions {
             kernels: KernelVariants::Portable,
         };
@@ -159,8 +159,11 @@ fn run() -> Result<ExitCode> {
     let mut cases = registry::cases();
     cases.extend(dflash_draft::conformance_cases());
     for case in cases {
+        // `--only A,B`: the cases whose `op/case` contains any of the substrings.
         if let Some(o) = &only
-            && !format!("{}/{}", case.op, case.name).contains(o.as_str())
+            && !o
+                .split(',')
+                .any(|part| format!("{}/{}", case.op, case.name).contains(part))
         {
             continue;
         }
@@ -178,7 +181,9 @@ fn run() -> Result<ExitCode> {
         let cpu_ms = t0.elapsed().as_secs_f64() * 1e3;
         run_case(&case, &reference, cpu_ms, &gpu, "", &mut rows);
         if let Some(p) = &portable
-            && (ARCH_SPECIFIC_OPS.contains(&case.op) || DEPENDENT_LAUNCH_OPS.contains(&case.op))
+            && (ARCH_SPECIFIC_OPS.contains(&case.op)
+                || DEPENDENT_LAUNCH_OPS.contains(&case.op)
+                || CLUSTER_OPS.contains(&case.op))
         {
             run_case(&case, &reference, cpu_ms, p, " [portable]", &mut rows);
         }

@@ -1,7 +1,9 @@
 //! A GPU-resident stand-in target for timing the engine's round: [`Recorder`] wraps the CPU
 //! reference target and keeps a device copy of every prefill and verify output it makes;
-//! [`ReplayTarget`] then serves those copies in the same order, lending them in place from
-//! device memory (a verify costs nothing but bookkeeping). Replaying the recorded run's
+//! [`ReplayTarget`] then serves those copies in the same order from device memory: a verify
+//! copies the recorded logits into the one logits buffer it lends (as a real target's forward
+//! writes its own; so the engine's verification sees one address and replays its graphs) and
+//! lends the recorded features in place. Replaying the recorded run's
 //! requests (greedy, or sampled with the same seeds) reproduces its rounds exactly; a verify
 //! whose input tokens differ from the recorded ones marks the replay as diverged.
 
@@ -51,9 +53,17 @@ impl Recorder {
         }
     }
 
-    /// The stand-in target serving what was recorded.
-    pub fn into_replay(self) -> ReplayTarget {
-        ReplayTarget {
+    /// The stand-in target serving what was recorded (its lent logits buffer allocated on
+    /// `be`, as long as the longest recorded logits).
+    pub fn into_replay(self, be: &Backend) -> Result<ReplayTarget, TargetError> {
+        let longest = self
+            .verifies
+            .iter()
+            .map(|v| v.logits.len())
+            .max()
+            .unwrap_or(0);
+        Ok(ReplayTarget {
+            lent: be.zeros(longest)?,
             info: self.inner.info().clone(),
             prefills: self.prefills,
             next_prefill: 0,
@@ -64,7 +74,7 @@ impl Recorder {
             diverged: false,
             check_ids: false,
             ids_checked: 0,
-        }
+        })
     }
 }
 
@@ -130,6 +140,8 @@ pub struct ReplayTarget {
     prefills: Vec<Prefilled>,
     next_prefill: usize,
     verifies: Vec<Verified>,
+    /// The logits buffer every verify lends (the current recording copied to its start).
+    lent: Buffer<f32>,
     next: usize,
     current: Option<usize>,
     seqs: Sequences,
@@ -171,6 +183,7 @@ impl ReplayTarget {
     /// pending); marks the replay diverged when the recording's rows differ (`same`).
     fn next_verify(
         &mut self,
+        be: &Backend,
         rows: &[(SeqHandle, usize)],
         same: impl Fn(&Verified) -> bool,
     ) -> Result<(), TargetError> {
@@ -183,6 +196,7 @@ impl ReplayTarget {
             self.diverged = true;
         }
         self.seqs.verify(rows)?;
+        be.copy(&v.logits, 0, &mut self.lent, 0, v.logits.len())?;
         self.next += 1;
         self.current = Some(i);
         Ok(())
@@ -225,9 +239,9 @@ impl Target for ReplayTarget {
     fn pending(&self, seq: SeqHandle) -> Result<Option<usize>, TargetError> {
         Ok(self.seqs.get(seq)?.1)
     }
-    fn verify(&mut self, _be: &Backend, batch: &VerifyBatch<'_>) -> Result<(), TargetError> {
+    fn verify(&mut self, be: &Backend, batch: &VerifyBatch<'_>) -> Result<(), TargetError> {
         let rows: Vec<_> = batch.rows.iter().map(|r| (r.seq, r.tokens.len())).collect();
-        self.next_verify(&rows, |v| {
+        self.next_verify(be, &rows, |v| {
             v.tokens.iter().zip(batch.rows).all(|(t, r)| t == r.tokens)
         })
     }
@@ -252,7 +266,7 @@ impl Target for ReplayTarget {
             None
         };
         let cols = batch.cols;
-        self.next_verify(&rows, |v| {
+        self.next_verify(be, &rows, |v| {
             v.tokens
                 .iter()
                 .zip(batch.columns)
@@ -272,7 +286,7 @@ impl Target for ReplayTarget {
             .and_then(|i| self.verifies.get(i))
             .ok_or(TargetError::NothingVerified)?;
         Ok(VerifyView {
-            logits: TargetLogits::padded(&v.logits),
+            logits: TargetLogits::padded(&self.lent),
             features: &v.features,
         })
     }

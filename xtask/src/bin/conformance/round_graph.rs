@@ -154,6 +154,12 @@ pub struct Comparison {
     /// Rounds run, and rounds replayed from a graph profile.
     pub rounds: usize,
     pub replays: u64,
+    /// Rounds whose verification ops replayed a graph, graphs recorded, why recording
+    /// stopped (if it did), and verification replays of the eager engine (must be 0).
+    pub verify_replays: u64,
+    pub verify_captures: u64,
+    pub verify_refused: Option<String>,
+    pub verify_replays_eager: u64,
     /// The live-row counts seen (distinct, descending).
     pub live_rows: Vec<usize>,
     /// The captured buckets, and why the eager engine was eager.
@@ -193,6 +199,8 @@ pub struct RoundTiming {
     /// synchronizations per round.
     pub allocations_per_round: f64,
     pub syncs_per_round: f64,
+    /// Graph rounds whose verification ops replayed a graph.
+    pub verify_replays: u64,
 }
 
 pub struct RoundGraphResult {
@@ -235,6 +243,9 @@ pub fn check() -> Result<RoundGraphResult> {
             );
             let (g, mut gt, live, _) = drive(&mut graph, requests(temperature))?;
             let (e, mut et, _, _) = drive(&mut eager, requests(temperature))?;
+            let (verify_replays, verify_captures, refused) = graph.verify_graphs();
+            let verify_refused = refused.map(str::to_string);
+            let verify_replays_eager = eager.verify_graphs().0;
             let mut distinct = live.clone();
             distinct.sort_unstable_by(|a, b| b.cmp(a));
             distinct.dedup();
@@ -251,6 +262,10 @@ pub fn check() -> Result<RoundGraphResult> {
                 equal_rounds: g.rounds == e.rounds,
                 rounds: g.rounds.len(),
                 replays: graph.proposer().graph_replays(),
+                verify_replays,
+                verify_captures,
+                verify_refused,
+                verify_replays_eager,
                 live_rows: distinct,
                 profiles,
                 eager_reason,
@@ -296,13 +311,14 @@ fn round_timing(
     let recorder = Recorder::new(fx.target().map_err(|e| anyhow!("target: {e}"))?);
     let mut rec = engine(fx, be, backend, recorder, false)?;
     let (want, _, _, _) = drive(&mut rec, requests(0.0))?;
-    let mut replay = rec.into_parts().0.into_replay();
+    let mut replay = rec.into_parts().0.into_replay(be)?;
     let mut medians = Vec::new();
     let mut reproduced = true;
     let mut rests = Vec::new();
     let mut proposes = Vec::new();
     let mut rounds = 0;
     let (mut allocations_per_round, mut syncs_per_round) = (f64::NAN, f64::NAN);
+    let mut verify_replays = 0;
     // First a replay that also reads back every device round's verify input ids and
     // compares them with the recorded tokens (the draft's assembly of [anchor, proposals]):
     // untimed, since the read is an extra synchronize.
@@ -321,6 +337,7 @@ fn round_timing(
             let per = |x: u64| x as f64 / costs.rounds.max(1) as f64;
             allocations_per_round = per(costs.allocations);
             syncs_per_round = per(costs.synchronizations);
+            verify_replays = e.verify_graphs().0;
         }
         replay = e.into_parts().0;
         reproduced &= got == want && !replay.diverged();
@@ -347,6 +364,7 @@ fn round_timing(
         rest_us: median(&mut rests),
         allocations_per_round,
         syncs_per_round,
+        verify_replays,
     })
 }
 
@@ -424,9 +442,11 @@ from its CUDA graph profiles (one per live-row bucket, captured at startup) agai
 eagerly (`EngineOptions::eager`): {B} requests of different lengths (the live rows shrink through the \
 buckets), K = {K}, B = {B}, the trained pair with the CPU reference target as the stand-in target, greedy and \
 sampled. Every output and every row-round (proposals, accepted count, licensed tokens, committed count) \
-must be equal, and every round must replay a graph.\n\n| draft | T | outputs equal | row-rounds equal | \
-rounds | replayed | live rows seen | profiles | accepted | eager because | step graph (µs) | step eager (µs) | pass |\n\
-|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+must be equal, and every round must replay a graph. The verification ops replay graphs too, recorded the \
+second time a (live rows, lent logits, proposal buffers) key is seen: some rounds must replay one, none may \
+in the eager engine, and no capture may fail.\n\n| draft | T | outputs equal | row-rounds equal | \
+rounds | replayed | verify replayed | verify graphs | live rows seen | profiles | accepted | eager because | step graph (µs) | step eager (µs) | pass |\n\
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     match results {
         Ok(r) => {
@@ -438,10 +458,13 @@ rounds | replayed | live rows seen | profiles | accepted | eager because | step 
                     && c.rounds > 0
                     && c.accepted > 0
                     && c.live_rows.len() > 1
-                    && c.eager_reason != "NOT EAGER";
+                    && c.eager_reason != "NOT EAGER"
+                    && c.verify_replays > 0
+                    && c.verify_refused.is_none()
+                    && c.verify_replays_eager == 0;
                 ok &= pass;
                 s.push_str(&format!(
-                    "| {} | {} | {}/{} | {} | {} | {} | {:?} | {:?} | {} | {} | {:.0} | {:.0} | {} |\n",
+                    "| {} | {} | {}/{} | {} | {} | {} | {} | {}{} | {:?} | {:?} | {} | {} | {:.0} | {:.0} | {} |\n",
                     c.backend,
                     c.temperature,
                     c.equal_outputs,
@@ -449,6 +472,11 @@ rounds | replayed | live rows seen | profiles | accepted | eager because | step 
                     if c.equal_rounds { "yes" } else { "NO" },
                     c.rounds,
                     c.replays,
+                    c.verify_replays,
+                    c.verify_captures,
+                    c.verify_refused
+                        .as_deref()
+                        .map_or(String::new(), |r| format!(" (refused: {r})")),
                     c.live_rows,
                     c.profiles,
                     c.accepted,
@@ -483,14 +511,16 @@ bookkeeping), greedy, medians over the rounds: the round (`Engine::step`), the d
 round's live rows (graph, from the table above), and the rest of the round (round minus propose: \
 materialize, the verification ops, the round's reads and the engine's host work).\n\n| draft | rounds | \
 replay reproduces the recording | round graph (µs) | round eager (µs) | propose (µs) | rest (µs) | \
-rest / round | allocations / round | synchronizations / round | pass |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+rest / round | allocations / round | synchronizations / round | verify replayed | pass |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             );
             for t in &r.rounds {
-                let pass =
-                    t.reproduced && t.allocations_per_round == 0.0 && t.syncs_per_round <= 1.0;
+                let pass = t.reproduced
+                    && t.allocations_per_round == 0.0
+                    && t.syncs_per_round <= 1.0
+                    && t.verify_replays > 0;
                 ok &= pass;
                 s.push_str(&format!(
-                    "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {} |\n",
+                    "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |\n",
                     t.backend,
                     t.rounds,
                     if t.reproduced { "yes" } else { "NO" },
@@ -501,6 +531,7 @@ rest / round | allocations / round | synchronizations / round | pass |\n|---|---
                     t.rest_us / t.round_graph_us,
                     t.allocations_per_round,
                     t.syncs_per_round,
+                    t.verify_replays,
                     if pass { "pass" } else { "FAIL" }
                 ));
             }
