@@ -69,6 +69,7 @@ __device__ __forceinline__ void td_column(
     const float* __restrict__ pres_pen, float* __restrict__ p, int* __restrict__ greedy_out,
     int live_form, int rows, int cols, int vocab, int public_vocab) {
     __shared__ int s_hist[TD_MAX_COLS];
+    __shared__ u32 s_filter[32];
     // Read by the cluster's other blocks: this block's best, its top-k counts and top-p
     // masses (two buffers, alternating by pass, so that one cluster barrier a pass suffices:
     // a buffer is cleared again only after every block has passed the barrier of the pass
@@ -113,8 +114,17 @@ __device__ __forceinline__ void td_column(
         return;
     }
 
-    // History d_1..d_i of this column (i <= cols - 1 <= TD_MAX_COLS - 1).
-    for (int j = tid; j < i; j += nt) s_hist[j] = proposals[(size_t)r * (cols - 1) + j];
+    // History d_1..d_i of this column (i <= cols - 1 <= TD_MAX_COLS - 1), and a 1024-bit
+    // filter of it (bit d & 1023 of each d_j): an id whose bit is clear is in no d_j, so its
+    // count is counts[r, v] alone and the history is scanned only for the few ids it flags.
+    // The 32 ids of a warp share one filter word (their v >> 5 is the same), a broadcast.
+    if (tid < 32) s_filter[tid] = 0u;
+    __syncthreads();
+    for (int j = tid; j < i; j += nt) {
+        const int d = proposals[(size_t)r * (cols - 1) + j];
+        s_hist[j] = d;
+        atomicOr(&s_filter[(d >> 5) & 31], 1u << (d & 31));
+    }
     __syncthreads();
 
     const float T = temperature[r];
@@ -144,7 +154,9 @@ __device__ __forceinline__ void td_column(
             const int v = v0 + u * stride;
             if (v < public_vocab) {
                 long long c = (long long)cv[u];
-                for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
+                if ((s_filter[(v >> 5) & 31] >> (v & 31)) & 1u) {
+                    for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
+                }
                 float l = lv[u];
                 if (c > 0) {
                     l = (l > 0.0f) ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
@@ -210,10 +222,22 @@ __device__ __forceinline__ void td_column(
             unsigned int* mine = s_count[pass & 1];
             for (int b = tid; b < 256; b += nt) mine[b] = 0u;
             __syncthreads();
+            // A thread adds a run of ids falling in one bin with one atomic (the z of a
+            // column crowd into a few bins: one atomic per id would serialize on them).
+            u32 run_bin = 0u, run = 0u;
             for (int v = first; v < public_vocab; v += stride) {
                 u32 key = td_key(out[v]);
-                if ((key & mask) == prefix) atomicAdd(&mine[(key >> shift) & 255u], 1u);
+                if ((key & mask) == prefix) {
+                    const u32 bin = (key >> shift) & 255u;
+                    if (run != 0u && bin != run_bin) {
+                        atomicAdd(&mine[run_bin], run);
+                        run = 0u;
+                    }
+                    run_bin = bin;
+                    run += 1u;
+                }
             }
+            if (run != 0u) atomicAdd(&mine[run_bin], run);
             df_cluster_sync();
             for (int b = tid; b < 256; b += nt) {
                 unsigned long long c = 0ull;
@@ -248,15 +272,26 @@ __device__ __forceinline__ void td_column(
             unsigned long long* mine = s_mass[pass & 1];
             for (int b = tid; b < 256; b += nt) mine[b] = 0ull;
             __syncthreads();
+            // Runs of one bin added with one atomic, as for top-k (integer sums: exact in
+            // any grouping).
+            u32 run_bin = 0u;
+            unsigned long long run = 0ull;
             for (int v = first; v < public_vocab; v += stride) {
                 float z = out[v];
                 u32 key = td_key(z);
                 if (key >= tk_key && (key & mask) == prefix) {
                     double e = exp(__dsub_rn((double)z, zmax));
                     unsigned long long m = (unsigned long long)__dmul_rn(e, TD_MASS_SCALE);
-                    if (m != 0ull) atomicAdd(&mine[(key >> shift) & 255u], m);
+                    const u32 bin = (key >> shift) & 255u;
+                    if (run != 0ull && bin != run_bin) {
+                        atomicAdd(&mine[run_bin], run);
+                        run = 0ull;
+                    }
+                    run_bin = bin;
+                    run += m;
                 }
             }
+            if (run != 0ull) atomicAdd(&mine[run_bin], run);
             df_cluster_sync();
             for (int b = tid; b < 256; b += nt) {
                 unsigned long long m = 0ull;
