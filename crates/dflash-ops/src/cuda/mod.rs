@@ -843,7 +843,7 @@ impl CudaBackend {
             });
         }
         if cluster > 1 {
-            if !self.inner.clusters || cluster > 8 || cfg.grid_dim.0 % cluster != 0 {
+            if !self.inner.clusters || cluster > 8 || !cfg.grid_dim.0.is_multiple_of(cluster) {
                 return Err(OpsError::Cuda {
                     context: format!("launching {what}"),
                     message: format!(
