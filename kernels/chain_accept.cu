@@ -11,6 +11,8 @@
 #define CA_TILE 1024
 #define CA_MAX_TILES 1024
 #define CA_TOP 16
+#define CA_BATCH 16
+#define CA_MAX_COLS 256
 #define CA_PURPOSE_ACCEPT 2u
 #define CA_PURPOSE_CORRECTION 3u
 #define CA_PURPOSE_BONUS 4u
@@ -20,12 +22,10 @@ __device__ __forceinline__ double ca_p(const float* prow, int g, int v) {
     return g >= 0 ? (v == g ? 1.0 : 0.0) : (double)prow[v];
 }
 
-// Draw weight of id v: mode 0 = p(v) (bonus / fallback), 1 = max(p - onehot_x, 0),
-// 2 = max(p - q_top16, 0) with q of the first slot holding v.
-__device__ __forceinline__ double ca_weight(const float* prow, int g, int v, int vocab, int mode,
-                                            int x, const int* s_ids, const float* s_q) {
-    if (v >= vocab) return 0.0;
-    const double pv = ca_p(prow, g, v);
+// Draw weight of id v < vocab whose p(v) is pv: mode 0 = p(v) (bonus / fallback),
+// 1 = max(p - onehot_x, 0), 2 = max(p - q_top16, 0) with q of the first slot holding v.
+__device__ __forceinline__ double ca_weight_of(double pv, int v, int mode, int x,
+                                               const int* s_ids, const float* s_q) {
     if (mode == 0) return pv;
     double qv = 0.0;
     if (mode == 1) {
@@ -38,11 +38,19 @@ __device__ __forceinline__ double ca_weight(const float* prow, int g, int v, int
     return fmax(__dsub_rn(pv, qv), 0.0);
 }
 
+// Draw weight of any id v (0 at and past the vocabulary).
+__device__ __forceinline__ double ca_weight(const float* prow, int g, int v, int vocab, int mode,
+                                            int x, const int* s_ids, const float* s_q) {
+    if (v >= vocab) return 0.0;
+    return ca_weight_of(ca_p(prow, g, v), v, mode, x, s_ids, s_q);
+}
+
 struct CaShared {
     double tile_sum[CA_MAX_TILES];
     double tile_w[CA_TILE];
     int ids[CA_TOP];
     float q[CA_TOP];
+    unsigned char pass[CA_MAX_COLS];
     double c;
     double target;
     int jstar;
@@ -60,9 +68,26 @@ __device__ int ca_draw(CaShared& sh, const float* prow, int g, int vocab, int mo
     const int tiles = (vocab + CA_TILE - 1) / CA_TILE;
     for (int j = warp; j < tiles; j += nwarps) {
         double a = 0.0;
-        for (int k = 0; k < 32; ++k) {
-            a = __dadd_rn(a, ca_weight(prow, g, j * CA_TILE + k * 32 + lane, vocab, mode, x, sh.ids,
-                                       sh.q));
+        // CA_BATCH loads of a lane issued before the first is added (the adds stay in the
+        // contract's order): a lane's 32 dependent loads would otherwise each wait a full
+        // memory latency.
+        for (int k0 = 0; k0 < 32; k0 += CA_BATCH) {
+            float pl[CA_BATCH];
+#pragma unroll
+            for (int k = 0; k < CA_BATCH; ++k) {
+                const int v = j * CA_TILE + (k0 + k) * 32 + lane;
+                pl[k] = (g < 0 && v < vocab) ? prow[v] : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < CA_BATCH; ++k) {
+                const int v = j * CA_TILE + (k0 + k) * 32 + lane;
+                if (v < vocab) {
+                    const double pv = g >= 0 ? (v == g ? 1.0 : 0.0) : (double)pl[k];
+                    a = __dadd_rn(a, ca_weight_of(pv, v, mode, x, sh.ids, sh.q));
+                } else {
+                    a = __dadd_rn(a, 0.0);
+                }
+            }
         }
         for (int off = 16; off > 0; off >>= 1) a = __dadd_rn(a, __shfl_down_sync(0xffffffffu, a, off));
         if (lane == 0) sh.tile_sum[j] = a;
@@ -128,28 +153,34 @@ extern "C" __global__ void __launch_bounds__(CA_THREADS) chain_accept_kernel(
     const u64 F = (u64)(u32)start_pos[r];
     const int* prop = proposals + (size_t)r * K;
 
-    // Acceptance scan (thread 0).
+    // Acceptance tests: thread i tests column i < P (its loads and random word independent
+    // of every other column's), then thread 0 scans the results in order and stops at the
+    // first rejection.
+    for (int i = tid; i < P; i += blockDim.x) {
+        const int x = prop[i];
+        const float* pi = p + ((size_t)r * cols + i) * (size_t)vocab;
+        const int g = has_greedy ? greedy[(size_t)r * cols + i] : -1;
+        const double px = (x >= 0 && x < vocab) ? ca_p(pi, g, x) : 0.0;
+        double qx = 1.0;
+        if (top16) {
+            qx = 0.0;
+            const size_t sb = ((size_t)r * K + i) * CA_TOP;
+            for (int s = 0; s < CA_TOP; ++s) {
+                if (ids[sb + s] == x) { qx = (double)q[sb + s]; break; }
+            }
+        }
+        const float u = dflash_unit_f32(dflash_rng_word(seed, F + 1 + (u64)i, CA_PURPOSE_ACCEPT, 0u));
+        sh.pass[i] = __dmul_rn((double)u, qx) < px ? 1 : 0;
+    }
+    __syncthreads();
     if (tid == 0) {
         int A = 0, rejected = 0, xr = -1;
         for (int i = 0; i < P; ++i) {
-            const int x = prop[i];
-            const float* pi = p + ((size_t)r * cols + i) * (size_t)vocab;
-            const int g = has_greedy ? greedy[(size_t)r * cols + i] : -1;
-            const double px = (x >= 0 && x < vocab) ? ca_p(pi, g, x) : 0.0;
-            double qx = 1.0;
-            if (top16) {
-                qx = 0.0;
-                const size_t sb = ((size_t)r * K + i) * CA_TOP;
-                for (int s = 0; s < CA_TOP; ++s) {
-                    if (ids[sb + s] == x) { qx = (double)q[sb + s]; break; }
-                }
-            }
-            const float u = dflash_unit_f32(dflash_rng_word(seed, F + 1 + (u64)i, CA_PURPOSE_ACCEPT, 0u));
-            if (__dmul_rn((double)u, qx) < px) {
+            if (sh.pass[i]) {
                 ++A;
             } else {
                 rejected = 1;
-                xr = x;
+                xr = prop[i];
                 break;
             }
         }

@@ -25,6 +25,7 @@
 #define TD_MAX_COLS 256
 #define TD_UNROLL 8
 #define TD_MASS_SCALE 1099511627776.0
+#define TD_MASS_ZERO -27.75
 
 // Logit loads: f32 as stored, bf16 widened exactly (bf16 is the high half of an f32).
 __device__ __forceinline__ float td_load(const float* __restrict__ x, size_t i) { return x[i]; }
@@ -41,6 +42,30 @@ __device__ __forceinline__ u32 td_key(float z) {
 // (bv, bi) <- the better of itself and (v, i): larger value, ties to the lower id.
 __device__ __forceinline__ void td_better(float& bv, int& bi, float v, int i) {
     if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+}
+
+// Histogram updates of one warp (all 32 lanes call them; a lane with nothing to add passes
+// TD_NO_BIN). Lanes with the same bin are summed first and one of them adds the sum, so a warp
+// makes one shared-memory atomic a distinct bin: the z of a column crowd into a few bins of
+// the top key byte, where one atomic an id serializes the block. Integer sums: exact in any
+// grouping.
+#define TD_NO_BIN 256u
+__device__ __forceinline__ void td_warp_count(unsigned int* hist, u32 bin) {
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    if (bin != TD_NO_BIN && (int)(threadIdx.x & 31) == __ffs(peers) - 1) {
+        atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+    }
+}
+// m <= 2^40 (e <= 1): the low 16 bits and the high 25 bits of 32 masses each sum within 32
+// bits, so two 32-bit warp reductions give the group's exact u64 sum.
+__device__ __forceinline__ void td_warp_mass(unsigned long long* hist, u32 bin,
+                                             unsigned long long m) {
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    const unsigned lo = __reduce_add_sync(peers, (unsigned)(m & 0xffffull));
+    const unsigned hi = __reduce_add_sync(peers, (unsigned)(m >> 16));
+    if (bin != TD_NO_BIN && (int)(threadIdx.x & 31) == __ffs(peers) - 1 && (lo | hi) != 0u) {
+        atomicAdd(&hist[bin], ((unsigned long long)hi << 16) + (unsigned long long)lo);
+    }
 }
 
 // Block-wide f64 sum (fixed tree order). s_red holds 33 doubles.
@@ -98,7 +123,7 @@ __device__ __forceinline__ void td_column(
     // Everything below that returns early does so for every block of the cluster (it
     // depends on the column only), so every barrier is reached by all of them.
     if (r >= rows) return;
-    const int tid = threadIdx.x, nt = blockDim.x;
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
     const int first = (int)rank * nt + tid;  // this thread's first id
     const int stride = (int)nb * nt;         // and the step between its ids
     const size_t base = ((size_t)r * cols + i) * (size_t)vocab;
@@ -222,22 +247,17 @@ __device__ __forceinline__ void td_column(
             unsigned int* mine = s_count[pass & 1];
             for (int b = tid; b < 256; b += nt) mine[b] = 0u;
             __syncthreads();
-            // A thread adds a run of ids falling in one bin with one atomic (the z of a
-            // column crowd into a few bins: one atomic per id would serialize on them).
-            u32 run_bin = 0u, run = 0u;
-            for (int v = first; v < public_vocab; v += stride) {
-                u32 key = td_key(out[v]);
-                if ((key & mask) == prefix) {
-                    const u32 bin = (key >> shift) & 255u;
-                    if (run != 0u && bin != run_bin) {
-                        atomicAdd(&mine[run_bin], run);
-                        run = 0u;
-                    }
-                    run_bin = bin;
-                    run += 1u;
+            // The warp walks its 32 consecutive ids together (a warp-uniform bound), so that
+            // every lane takes part in the warp's histogram update.
+            for (int vw = first - lane; vw < public_vocab; vw += stride) {
+                const int v = vw + lane;
+                u32 bin = TD_NO_BIN;
+                if (v < public_vocab) {
+                    const u32 key = td_key(out[v]);
+                    if ((key & mask) == prefix) bin = (key >> shift) & 255u;
                 }
+                td_warp_count(mine, bin);
             }
-            if (run != 0u) atomicAdd(&mine[run_bin], run);
             df_cluster_sync();
             for (int b = tid; b < 256; b += nt) {
                 unsigned long long c = 0ull;
@@ -272,26 +292,24 @@ __device__ __forceinline__ void td_column(
             unsigned long long* mine = s_mass[pass & 1];
             for (int b = tid; b < 256; b += nt) mine[b] = 0ull;
             __syncthreads();
-            // Runs of one bin added with one atomic, as for top-k (integer sums: exact in
-            // any grouping).
-            u32 run_bin = 0u;
-            unsigned long long run = 0ull;
-            for (int v = first; v < public_vocab; v += stride) {
-                float z = out[v];
-                u32 key = td_key(z);
-                if (key >= tk_key && (key & mask) == prefix) {
-                    double e = exp(__dsub_rn((double)z, zmax));
-                    unsigned long long m = (unsigned long long)__dmul_rn(e, TD_MASS_SCALE);
-                    const u32 bin = (key >> shift) & 255u;
-                    if (run != 0ull && bin != run_bin) {
-                        atomicAdd(&mine[run_bin], run);
-                        run = 0ull;
+            // As for top-k, a warp's lanes together. An id with z - zmax <= TD_MASS_ZERO has
+            // m = 0 (e * 2^40 <= exp(-27.75) * 2^40 < 0.98): it adds nothing, so neither its
+            // exp nor an atomic is spent on it (most of a real vocabulary).
+            for (int vw = first - lane; vw < public_vocab; vw += stride) {
+                const int v = vw + lane;
+                u32 bin = TD_NO_BIN;
+                unsigned long long m = 0ull;
+                if (v < public_vocab) {
+                    const float z = out[v];
+                    const u32 key = td_key(z);
+                    const double x = __dsub_rn((double)z, zmax);
+                    if (key >= tk_key && (key & mask) == prefix && x > TD_MASS_ZERO) {
+                        m = (unsigned long long)__dmul_rn(exp(x), TD_MASS_SCALE);
+                        if (m != 0ull) bin = (key >> shift) & 255u;
                     }
-                    run_bin = bin;
-                    run += m;
                 }
+                td_warp_mass(mine, bin, m);
             }
-            if (run != 0ull) atomicAdd(&mine[run_bin], run);
             df_cluster_sync();
             for (int b = tid; b < 256; b += nt) {
                 unsigned long long m = 0ull;
@@ -358,7 +376,7 @@ __device__ __forceinline__ void td_column(
 }
 
 #define TD_ENTRY(NAME, LT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(TD_THREADS) NAME(                              \
+    extern "C" __global__ void __launch_bounds__(TD_THREADS, 1) NAME(                            \
         const LT* __restrict__ logits, long long logit_cols, const int* __restrict__ col_start, \
         int starts, const int* __restrict__ live, const int* __restrict__ counts,               \
         const int* __restrict__ proposals, const float* __restrict__ temperature,               \
