@@ -7,10 +7,13 @@
 // each logit widened exactly to f32: its 16 bits become the high half of the f32's bits).
 // Blocks x = column * nb + rank. Row r's column i is the logits column col_start[r] + i
 // (starts = 1) or r * cols + i (starts = 0); a column outside the logits' logit_cols columns
-// is treated as dead, so no logits read leaves the buffer. Thread t of block `rank` owns the
-// ids v = rank * TD_THREADS + t + k * nb * TD_THREADS, in every pass, so a thread only reads
-// back the p elements it wrote itself (a sampled column's p row holds the processed logits z
-// as scratch between passes; a greedy column stores nothing before its result). Every
+// is treated as dead, so no logits read leaves the buffer. Block `rank` owns the chunks of
+// TD_THREADS ids at rank * TD_THREADS + k * nb * TD_THREADS; thread t owns the id t of each
+// chunk in every pass but the first, which with vec4 (the launcher's alignment condition)
+// loads 4 consecutive ids of a chunk with one 16-byte load instead. A block only reads back
+// the p elements it wrote itself, after a barrier (a sampled column's p row holds the
+// processed logits z as scratch between passes; a greedy column stores nothing before its
+// result). Every
 // cross-block quantity is exact and identical in every block of the cluster: the argmax
 // (merged with the lowest-id tie rule), the top-k counts and top-p masses (integer
 // histograms summed over the blocks in shared memory read through the cluster), and S (each
@@ -24,6 +27,7 @@
 #define TD_THREADS 512
 #define TD_MAX_COLS 256
 #define TD_UNROLL 8
+#define TD_VU 4
 #define TD_MASS_SCALE 1099511627776.0
 #define TD_MASS_ZERO -27.75
 
@@ -31,6 +35,19 @@
 __device__ __forceinline__ float td_load(const float* __restrict__ x, size_t i) { return x[i]; }
 __device__ __forceinline__ float td_load(const unsigned short* __restrict__ x, size_t i) {
     return __uint_as_float((u32)x[i] << 16);
+}
+
+// Four consecutive logits from i (i a multiple of 4, the row 16-byte aligned: the launcher's
+// vec4 condition), each widened as td_load does.
+__device__ __forceinline__ void td_load4(const float* __restrict__ x, size_t i, float (&o)[4]) {
+    const float4 t = *reinterpret_cast<const float4*>(x + i);
+    o[0] = t.x; o[1] = t.y; o[2] = t.z; o[3] = t.w;
+}
+__device__ __forceinline__ void td_load4(const unsigned short* __restrict__ x, size_t i,
+                                         float (&o)[4]) {
+    const uint2 t = *reinterpret_cast<const uint2*>(x + i);
+    o[0] = __uint_as_float(t.x << 16); o[1] = __uint_as_float(t.x & 0xffff0000u);
+    o[2] = __uint_as_float(t.y << 16); o[3] = __uint_as_float(t.y & 0xffff0000u);
 }
 
 // Order-preserving u32 key of a (non-NaN) f32: a < b  <=>  key(a) < key(b).
@@ -44,27 +61,36 @@ __device__ __forceinline__ void td_better(float& bv, int& bi, float v, int i) {
     if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
 }
 
-// Histogram updates of one warp (all 32 lanes call them; a lane with nothing to add passes
-// TD_NO_BIN). Lanes with the same bin are summed first and one of them adds the sum, so a warp
-// makes one shared-memory atomic a distinct bin: the z of a column crowd into a few bins of
-// the top key byte, where one atomic an id serializes the block. Integer sums: exact in any
-// grouping.
-#define TD_NO_BIN 256u
-__device__ __forceinline__ void td_warp_count(unsigned int* hist, u32 bin) {
-    const unsigned peers = __match_any_sync(0xffffffffu, bin);
-    if (bin != TD_NO_BIN && (int)(threadIdx.x & 31) == __ffs(peers) - 1) {
-        atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+// Steps 1-5 of the contract for id v with stored count cnt and logit l: the penalized,
+// scaled z. `penal` is false when the row's penalties are neutral (rep 1, freq 0, pres 0),
+// where every step that reads the count leaves l unchanged exactly (l / 1, l * 1 and
+// l - (0 * c + 0) are l), so neither the count nor the history is read.
+__device__ __forceinline__ float td_z(int v, int cnt, float l, bool penal, const u32* s_filter,
+                                      const int* s_hist, int i, float rep, float freq,
+                                      float pres, bool greedy, float T) {
+    if (penal) {
+        long long c = (long long)cnt;
+        if ((s_filter[(v >> 5) & 31] >> (v & 31)) & 1u) {
+            for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
+        }
+        if (c > 0) {
+            l = (l > 0.0f) ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+            l = __fsub_rn(l, __fadd_rn(__fmul_rn(freq, __ll2float_rn(c)), pres));
+        }
     }
+    const float z = greedy ? l : __fdiv_rn(l, T);
+    return __fadd_rn(z, 0.0f);  // -0 -> +0
 }
-// m <= 2^40 (e <= 1): the low 16 bits and the high 25 bits of 32 masses each sum within 32
-// bits, so two 32-bit warp reductions give the group's exact u64 sum.
-__device__ __forceinline__ void td_warp_mass(unsigned long long* hist, u32 bin,
-                                             unsigned long long m) {
-    const unsigned peers = __match_any_sync(0xffffffffu, bin);
-    const unsigned lo = __reduce_add_sync(peers, (unsigned)(m & 0xffffull));
-    const unsigned hi = __reduce_add_sync(peers, (unsigned)(m >> 16));
-    if (bin != TD_NO_BIN && (int)(threadIdx.x & 31) == __ffs(peers) - 1 && (lo | hi) != 0u) {
-        atomicAdd(&hist[bin], ((unsigned long long)hi << 16) + (unsigned long long)lo);
+
+// A thread's next TD_UNROLL ids from v0 (step `stride`, ids below `limit`): their z, all
+// loaded before the first is used (each pass after the first reads the z a thread wrote into
+// its p row; one load at a time would wait a full memory latency an id).
+__device__ __forceinline__ void td_load_z(const float* out, int v0, int stride, int limit,
+                                          float (&z)[TD_UNROLL]) {
+#pragma unroll
+    for (int u = 0; u < TD_UNROLL; ++u) {
+        const int v = v0 + u * stride;
+        if (v < limit) z[u] = out[v];
     }
 }
 
@@ -92,7 +118,7 @@ __device__ __forceinline__ void td_column(
     const int* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
     const float* __restrict__ rep_pen, const float* __restrict__ freq_pen,
     const float* __restrict__ pres_pen, float* __restrict__ p, int* __restrict__ greedy_out,
-    int live_form, int rows, int cols, int vocab, int public_vocab) {
+    int live_form, int rows, int cols, int vocab, int public_vocab, int vec4) {
     __shared__ int s_hist[TD_MAX_COLS];
     __shared__ u32 s_filter[32];
     // Read by the cluster's other blocks: this block's best, its top-k counts and top-p
@@ -123,7 +149,7 @@ __device__ __forceinline__ void td_column(
     // Everything below that returns early does so for every block of the cluster (it
     // depends on the column only), so every barrier is reached by all of them.
     if (r >= rows) return;
-    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
+    const int tid = threadIdx.x, nt = blockDim.x;
     const int first = (int)rank * nt + tid;  // this thread's first id
     const int stride = (int)nb * nt;         // and the step between its ids
     const size_t base = ((size_t)r * cols + i) * (size_t)vocab;
@@ -161,36 +187,74 @@ __device__ __forceinline__ void td_column(
     // Pass 1: the lowest-id argmax and, for a sampled column, z into its p row (scratch).
     float bv = __int_as_float((int)0xff800000u);  // -inf without <math.h> (NVRTC)
     int bi = 0x7fffffff;
-    // TD_UNROLL ids a thread at once: their count and logit loads are all issued before the
-    // first is used (the loads in flight set a block's rate).
-    for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
-        int cv[TD_UNROLL];
-        float lv[TD_UNROLL];
+    const bool penal = !(rep == 1.0f && freq == 0.0f && pres == 0.0f);
+    if (vec4) {
+        // 16-byte loads: the block's ids are its chunks of TD_THREADS ids (rank * TD_THREADS
+        // + jj * stride, jj = 0, 1, ..), as in the scalar mapping, but thread t loads the 4
+        // ids 4 * (t % 128) .. + 3 of chunk 4 * it + t / 128 (it = 0, 1, ..), TD_VU chunks
+        // at once. Its z reach the block's other threads through the barrier below.
+        const int sub = tid >> 7, off4 = (tid & 127) * 4;
+        const int c0 = (int)rank * nt + off4;
+        for (int it0 = 0; c0 + (4 * it0 + sub) * stride < public_vocab; it0 += TD_VU) {
+            float lv[TD_VU][4];
+            int cv[TD_VU][4];
 #pragma unroll
-        for (int u = 0; u < TD_UNROLL; ++u) {
-            const int v = v0 + u * stride;
-            if (v < public_vocab) {
-                cv[u] = crow[v];
-                lv[u] = td_load(lrow, (size_t)v);
+            for (int u = 0; u < TD_VU; ++u) {
+                const int v4 = c0 + (4 * (it0 + u) + sub) * stride;
+                if (v4 + 3 < public_vocab) {
+                    td_load4(lrow, (size_t)v4, lv[u]);
+                    if (penal) {
+                        const int4 t = *reinterpret_cast<const int4*>(crow + v4);
+                        cv[u][0] = t.x; cv[u][1] = t.y; cv[u][2] = t.z; cv[u][3] = t.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if (v4 + e < public_vocab) {
+                            lv[u][e] = td_load(lrow, (size_t)(v4 + e));
+                            if (penal) cv[u][e] = crow[v4 + e];
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < TD_VU; ++u) {
+                const int v4 = c0 + (4 * (it0 + u) + sub) * stride;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int v = v4 + e;
+                    if (v < public_vocab) {
+                        const float z = td_z(v, penal ? cv[u][e] : 0, lv[u][e], penal, s_filter,
+                                             s_hist, i, rep, freq, pres, greedy, T);
+                        if (!greedy) out[v] = z;
+                        td_better(bv, bi, z, v);
+                    }
+                }
             }
         }
+    } else {
+        // TD_UNROLL ids a thread at once: their count and logit loads are all issued before
+        // the first is used (the loads in flight set a block's rate).
+        for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
+            int cv[TD_UNROLL];
+            float lv[TD_UNROLL];
 #pragma unroll
-        for (int u = 0; u < TD_UNROLL; ++u) {
-            const int v = v0 + u * stride;
-            if (v < public_vocab) {
-                long long c = (long long)cv[u];
-                if ((s_filter[(v >> 5) & 31] >> (v & 31)) & 1u) {
-                    for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
+            for (int u = 0; u < TD_UNROLL; ++u) {
+                const int v = v0 + u * stride;
+                if (v < public_vocab) {
+                    if (penal) cv[u] = crow[v];
+                    lv[u] = td_load(lrow, (size_t)v);
                 }
-                float l = lv[u];
-                if (c > 0) {
-                    l = (l > 0.0f) ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
-                    l = __fsub_rn(l, __fadd_rn(__fmul_rn(freq, __ll2float_rn(c)), pres));
+            }
+#pragma unroll
+            for (int u = 0; u < TD_UNROLL; ++u) {
+                const int v = v0 + u * stride;
+                if (v < public_vocab) {
+                    const float z = td_z(v, penal ? cv[u] : 0, lv[u], penal, s_filter, s_hist, i,
+                                         rep, freq, pres, greedy, T);
+                    if (!greedy) out[v] = z;
+                    td_better(bv, bi, z, v);
                 }
-                float z = greedy ? l : __fdiv_rn(l, T);
-                z = __fadd_rn(z, 0.0f);  // -0 -> +0
-                if (!greedy) out[v] = z;
-                td_better(bv, bi, z, v);
             }
         }
     }
@@ -247,17 +311,28 @@ __device__ __forceinline__ void td_column(
             unsigned int* mine = s_count[pass & 1];
             for (int b = tid; b < 256; b += nt) mine[b] = 0u;
             __syncthreads();
-            // The warp walks its 32 consecutive ids together (a warp-uniform bound), so that
-            // every lane takes part in the warp's histogram update.
-            for (int vw = first - lane; vw < public_vocab; vw += stride) {
-                const int v = vw + lane;
-                u32 bin = TD_NO_BIN;
-                if (v < public_vocab) {
-                    const u32 key = td_key(out[v]);
-                    if ((key & mask) == prefix) bin = (key >> shift) & 255u;
+            // A thread adds a run of ids falling in one bin with one atomic (the z of a
+            // column crowd into a few bins: one atomic per id would serialize on them).
+            u32 run_bin = 0u, run = 0u;
+            for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
+                float zs[TD_UNROLL];
+                td_load_z(out, v0, stride, public_vocab, zs);
+#pragma unroll
+                for (int u = 0; u < TD_UNROLL; ++u) {
+                    if (v0 + u * stride >= public_vocab) break;
+                    const u32 key = td_key(zs[u]);
+                    if ((key & mask) == prefix) {
+                        const u32 bin = (key >> shift) & 255u;
+                        if (run != 0u && bin != run_bin) {
+                            atomicAdd(&mine[run_bin], run);
+                            run = 0u;
+                        }
+                        run_bin = bin;
+                        run += 1u;
+                    }
                 }
-                td_warp_count(mine, bin);
             }
+            if (run != 0u) atomicAdd(&mine[run_bin], run);
             df_cluster_sync();
             for (int b = tid; b < 256; b += nt) {
                 unsigned long long c = 0ull;
@@ -292,24 +367,34 @@ __device__ __forceinline__ void td_column(
             unsigned long long* mine = s_mass[pass & 1];
             for (int b = tid; b < 256; b += nt) mine[b] = 0ull;
             __syncthreads();
-            // As for top-k, a warp's lanes together. An id with z - zmax <= TD_MASS_ZERO has
-            // m = 0 (e * 2^40 <= exp(-27.75) * 2^40 < 0.98): it adds nothing, so neither its
-            // exp nor an atomic is spent on it (most of a real vocabulary).
-            for (int vw = first - lane; vw < public_vocab; vw += stride) {
-                const int v = vw + lane;
-                u32 bin = TD_NO_BIN;
-                unsigned long long m = 0ull;
-                if (v < public_vocab) {
-                    const float z = out[v];
-                    const u32 key = td_key(z);
-                    const double x = __dsub_rn((double)z, zmax);
+            // Runs of one bin added with one atomic, as for top-k (integer sums: exact in
+            // any grouping).
+            // An id with z - zmax <= TD_MASS_ZERO has m = 0 (e * 2^40 <= exp(-27.75) * 2^40
+            // < 0.98): it adds nothing, so no exp is spent on it (most of a real vocabulary).
+            u32 run_bin = 0u;
+            unsigned long long run = 0ull;
+            for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
+                float zs[TD_UNROLL];
+                td_load_z(out, v0, stride, public_vocab, zs);
+#pragma unroll
+                for (int u = 0; u < TD_UNROLL; ++u) {
+                    if (v0 + u * stride >= public_vocab) break;
+                    const u32 key = td_key(zs[u]);
+                    const double x = __dsub_rn((double)zs[u], zmax);
                     if (key >= tk_key && (key & mask) == prefix && x > TD_MASS_ZERO) {
-                        m = (unsigned long long)__dmul_rn(exp(x), TD_MASS_SCALE);
-                        if (m != 0ull) bin = (key >> shift) & 255u;
+                        const unsigned long long m =
+                            (unsigned long long)__dmul_rn(exp(x), TD_MASS_SCALE);
+                        const u32 bin = (key >> shift) & 255u;
+                        if (run != 0ull && bin != run_bin) {
+                            atomicAdd(&mine[run_bin], run);
+                            run = 0ull;
+                        }
+                        run_bin = bin;
+                        run += m;
                     }
                 }
-                td_warp_mass(mine, bin, m);
             }
+            if (run != 0ull) atomicAdd(&mine[run_bin], run);
             df_cluster_sync();
             for (int b = tid; b < 256; b += nt) {
                 unsigned long long m = 0ull;
@@ -347,11 +432,16 @@ __device__ __forceinline__ void td_column(
     const u32 thr = tk_key > tp_key ? tk_key : tp_key;
     const double mp = (double)min_p[r];
     double part = 0.0;
-    for (int v = first; v < public_vocab; v += stride) {
-        float z = out[v];
-        if (td_key(z) >= thr) {
-            double e = exp(__dsub_rn((double)z, zmax));
-            if (e >= mp) part = __dadd_rn(part, e);
+    for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
+        float zs[TD_UNROLL];
+        td_load_z(out, v0, stride, public_vocab, zs);
+#pragma unroll
+        for (int u = 0; u < TD_UNROLL; ++u) {
+            if (v0 + u * stride >= public_vocab) break;
+            if (td_key(zs[u]) >= thr) {
+                const double e = exp(__dsub_rn((double)zs[u], zmax));
+                if (e >= mp) part = __dadd_rn(part, e);
+            }
         }
     }
     const double block_part = td_block_sum(part, s_red);
@@ -361,16 +451,20 @@ __device__ __forceinline__ void td_column(
     for (unsigned k = 0; k < nb; ++k) S = __dadd_rn(S, *df_cluster_peer(&s_csum, k));
 
     // Write pass.
-    for (int v = first; v < vocab; v += stride) {
-        float val = 0.0f;
-        if (v < public_vocab) {
-            float z = out[v];
-            if (td_key(z) >= thr) {
-                double e = exp(__dsub_rn((double)z, zmax));
+    for (int v0 = first; v0 < vocab; v0 += stride * TD_UNROLL) {
+        float zs[TD_UNROLL];
+        td_load_z(out, v0, stride, public_vocab, zs);
+#pragma unroll
+        for (int u = 0; u < TD_UNROLL; ++u) {
+            const int v = v0 + u * stride;
+            if (v >= vocab) break;
+            float val = 0.0f;
+            if (v < public_vocab && td_key(zs[u]) >= thr) {
+                const double e = exp(__dsub_rn((double)zs[u], zmax));
                 if (e >= mp) val = __double2float_rn(__ddiv_rn(e, S));
             }
+            out[v] = val;
         }
-        out[v] = val;
     }
     df_cluster_sync();  // the other blocks have read s_csum
 }
@@ -384,10 +478,10 @@ __device__ __forceinline__ void td_column(
         const float* __restrict__ min_p, const float* __restrict__ rep_pen,                     \
         const float* __restrict__ freq_pen, const float* __restrict__ pres_pen,                 \
         float* __restrict__ p, int* __restrict__ greedy_out, int live_form, int rows, int cols, \
-        int vocab, int public_vocab) {                                                          \
+        int vocab, int public_vocab, int vec4) {                                                \
         td_column<LT>(logits, logit_cols, col_start, starts, live, counts, proposals,           \
                       temperature, top_k, top_p, min_p, rep_pen, freq_pen, pres_pen, p,         \
-                      greedy_out, live_form, rows, cols, vocab, public_vocab);                  \
+                      greedy_out, live_form, rows, cols, vocab, public_vocab, vec4);            \
     }
 
 // The two entries (f32 and bf16 logits).

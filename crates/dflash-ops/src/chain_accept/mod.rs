@@ -69,14 +69,16 @@
 //!   past `L` are -1). Inputs are never written.
 //! Comparison. All outputs exact.
 //!
-//! CUDA. One block of 1024 threads per row. Thread 0 runs the acceptance scan; the draw uses
-//! one warp per tile for the tile sums (lane sums + shuffle-down tree), thread 0 for the
-//! sequential `total`/`C_j` walk and for the running sum inside the chosen tile (staged in
-//! shared memory). A greedy column's `p(v)` is computed from its id (`v == g`), never loaded,
-//! and its correction or bonus is `g` itself (for `g` below the vocabulary) without the scan
-//! (the blocked draw over weights
-//! that are 0 except at `g` returns `g` for any `u`; a correction's weight at `g` is positive,
-//! the rejected proposal not being `g`, and a zero total falls back to `p`, the one-hot at `g`).
+//! CUDA. One block of 1024 threads per row. Thread `i` runs column `i`'s acceptance test (its
+//! loads and random word depend on no other column), then thread 0 scans the results in
+//! column order and stops at the first rejection. The draw uses one warp per tile for the
+//! tile sums (each lane issues its loads 16 at a time, then adds them in the contract's
+//! order; shuffle-down tree), thread 0 for the sequential `total`/`C_j` walk and for the
+//! running sum inside the chosen tile (staged in shared memory). A greedy column's `p(v)` is
+//! computed from its id (`v == g`), never loaded, and its correction or bonus is `g` itself
+//! (for `g` below the vocabulary) without the scan (the blocked draw over weights that are 0
+//! except at `g` returns `g` for any `u`; a correction's weight at `g` is positive, the
+//! rejected proposal not being `g`, and a zero total falls back to `p`, the one-hot at `g`).
 //! All f64 operations are `_rn` intrinsics (no contraction).
 
 #[cfg(feature = "cuda")]

@@ -114,7 +114,12 @@ pub(super) fn run(
         ]
         .map(RawArg::Ptr),
     );
-    args.extend([live_form, rows, cols, vocab, public_vocab].map(RawArg::I32));
+    // 16-byte loads in the first pass where every logits and counts row starts 16-byte
+    // aligned (the kernel's chunk mapping assumes THREADS = 512).
+    let vec4 = i32::from(
+        THREADS == 512 && params.vocab % 4 == 0 && logits_p % 16 == 0 && counts_p % 16 == 0,
+    );
+    args.extend([live_form, rows, cols, vocab, public_vocab, vec4].map(RawArg::I32));
     // SAFETY: argument types and order match target_distribution_kernel and
     // target_distribution_bf16_kernel; every length was checked by `run_with` against the
     // static shape the kernel indexes with (logits columns bounded by `logit_cols`); the

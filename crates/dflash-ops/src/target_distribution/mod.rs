@@ -104,11 +104,13 @@
 //! greedy column then writes its one-hot row (`Full`) or its id (`Live`). A sampled column's
 //! pass 1 writes `z` into its own `p` row (scratch); top-k and top-p thresholds are found by a
 //! 4-pass radix select (8 bits per pass) on the order-preserving u32 key of `z`: each block
-//! counts its ids (u32 counts for top-k, u64 masses for top-p, shared-memory integer atomics)
-//! and every block sums the cluster's histograms, so the thresholds are exact, deterministic
-//! and the same in every block; then each block's f64 part of `S`, summed in block order by
-//! every block (a column's `S`, so its `p`, never depends on the batch it is in), and one
-//! write pass. A thread only ever reads back the `p` elements it wrote itself; every logits
+//! counts its ids (u32 counts for top-k, u64 masses for top-p, shared-memory integer atomics,
+//! a thread's run of ids in one bin added at once; an id whose mass is 0, `z - zmax <=
+//! -27.75`, spends neither its `exp` nor an add) and every block sums the cluster's
+//! histograms, so the thresholds are exact, deterministic and the same in every block; then
+//! each block's f64 part of `S`, summed in block order by every block (a column's `S`, so its
+//! `p`, never depends on the batch it is in), and one write pass. Every pass loads a thread's
+//! next 8 ids before using the first (the passes are bound by memory latency, not bytes). A thread only ever reads back the `p` elements it wrote itself; every logits
 //! read is inside the checked column `c(r, i)`. Measured on the H200 (K = 15, one request,
 //! official vocabulary): see `docs/performance-engine_round.md`.
 
@@ -1205,6 +1207,22 @@ pub(crate) fn cases() -> Vec<Case> {
                 DType::F32,
                 CaseLayout::Padded,
                 Data::Ties,
+            ),
+        ),
+        // A vocabulary that is not a multiple of 4: the first pass's scalar loads (CUDA).
+        Case::new(
+            OP,
+            "rows6_cols6_v1499_live_bf16_packed_mixed",
+            live_case(
+                6,
+                6,
+                1499,
+                1457,
+                24,
+                settings_mix(),
+                DType::BF16,
+                CaseLayout::Packed,
+                Data::Plain,
             ),
         ),
         Case::new(
