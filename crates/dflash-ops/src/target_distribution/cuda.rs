@@ -117,7 +117,10 @@ pub(super) fn run(
     // 16-byte loads in the first pass where every logits and counts row starts 16-byte
     // aligned (the kernel's chunk mapping assumes THREADS = 512).
     let vec4 = i32::from(
-        THREADS == 512 && params.vocab % 4 == 0 && logits_p % 16 == 0 && counts_p % 16 == 0,
+        THREADS == 512
+            && params.vocab.is_multiple_of(4)
+            && logits_p.is_multiple_of(16)
+            && counts_p.is_multiple_of(16),
     );
     args.extend([live_form, rows, cols, vocab, public_vocab, vec4].map(RawArg::I32));
     // SAFETY: argument types and order match target_distribution_kernel and
