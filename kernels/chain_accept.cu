@@ -17,9 +17,14 @@
 #define CA_PURPOSE_CORRECTION 3u
 #define CA_PURPOSE_BONUS 4u
 
-// p(v) of a column: the one-hot at g (g >= 0: a greedy column, prow never read) or prow[v].
+// p(v) of a column whose stored p(v) (read only for g < 0) is pv: the one-hot at g (g >= 0: a
+// greedy column) or pv.
+__device__ __forceinline__ double ca_p_of(int g, int v, float pv) {
+    return g >= 0 ? (v == g ? 1.0 : 0.0) : (double)pv;
+}
+// p(v) of a column: the one-hot at g (prow never read) or prow[v].
 __device__ __forceinline__ double ca_p(const float* prow, int g, int v) {
-    return g >= 0 ? (v == g ? 1.0 : 0.0) : (double)prow[v];
+    return ca_p_of(g, v, g >= 0 ? 0.0f : prow[v]);
 }
 
 // Draw weight of id v < vocab whose p(v) is pv: mode 0 = p(v) (bonus / fallback),
@@ -81,11 +86,9 @@ __device__ int ca_draw(CaShared& sh, const float* prow, int g, int vocab, int mo
 #pragma unroll
             for (int k = 0; k < CA_BATCH; ++k) {
                 const int v = j * CA_TILE + (k0 + k) * 32 + lane;
+                // An id past the vocabulary weighs 0: adding it leaves a (never -0) as it is.
                 if (v < vocab) {
-                    const double pv = g >= 0 ? (v == g ? 1.0 : 0.0) : (double)pl[k];
-                    a = __dadd_rn(a, ca_weight_of(pv, v, mode, x, sh.ids, sh.q));
-                } else {
-                    a = __dadd_rn(a, 0.0);
+                    a = __dadd_rn(a, ca_weight_of(ca_p_of(g, v, pl[k]), v, mode, x, sh.ids, sh.q));
                 }
             }
         }

@@ -62,9 +62,7 @@ __device__ __forceinline__ void td_better(float& bv, int& bi, float v, int i) {
 }
 
 // Steps 1-5 of the contract for id v with stored count cnt and logit l: the penalized,
-// scaled z. `penal` is false when the row's penalties are neutral (rep 1, freq 0, pres 0),
-// where every step that reads the count leaves l unchanged exactly (l / 1, l * 1 and
-// l - (0 * c + 0) are l), so neither the count nor the history is read.
+// scaled z; with `penal` false (neutral penalties) the count and the history are not read.
 __device__ __forceinline__ float td_z(int v, int cnt, float l, bool penal, const u32* s_filter,
                                       const int* s_hist, int i, float rep, float freq,
                                       float pres, bool greedy, float T) {
@@ -82,17 +80,48 @@ __device__ __forceinline__ float td_z(int v, int cnt, float l, bool penal, const
     return __fadd_rn(z, 0.0f);  // -0 -> +0
 }
 
-// A thread's next TD_UNROLL ids from v0 (step `stride`, ids below `limit`): their z, all
-// loaded before the first is used (each pass after the first reads the z a thread wrote into
-// its p row; one load at a time would wait a full memory latency an id).
-__device__ __forceinline__ void td_load_z(const float* out, int v0, int stride, int limit,
-                                          float (&z)[TD_UNROLL]) {
+// f(v, z) for each of a thread's ids v < limit (from `first`, step `stride`), z being its p-row
+// entry for v < zlimit (0 past it): the passes after the first read the z the block wrote
+// into its p row, TD_UNROLL loads issued before the first use (one load at a time would wait
+// a full memory latency an id).
+template <typename F>
+__device__ __forceinline__ void td_each_z(const float* out, int first, int stride, int limit,
+                                          int zlimit, F&& f) {
+    for (int v0 = first; v0 < limit; v0 += stride * TD_UNROLL) {
+        float zs[TD_UNROLL];
 #pragma unroll
-    for (int u = 0; u < TD_UNROLL; ++u) {
-        const int v = v0 + u * stride;
-        if (v < limit) z[u] = out[v];
+        for (int u = 0; u < TD_UNROLL; ++u) {
+            const int v = v0 + u * stride;
+            zs[u] = v < zlimit ? out[v] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < TD_UNROLL; ++u) {
+            const int v = v0 + u * stride;
+            if (v >= limit) break;
+            f(v, zs[u]);
+        }
     }
 }
+
+// A thread's run of ids falling in one histogram bin, added with one shared-memory atomic when
+// the bin changes (the z of a column crowd into a few bins: one atomic an id would serialize
+// on them; integer sums, exact in any grouping). C: unsigned int counts or u64 masses.
+template <typename C>
+struct TdRun {
+    u32 bin = 0u;
+    C sum = 0;
+    __device__ __forceinline__ void add(C* hist, u32 b, C x) {
+        if (sum != 0 && b != bin) {
+            atomicAdd(&hist[bin], sum);
+            sum = 0;
+        }
+        bin = b;
+        sum += x;
+    }
+    __device__ __forceinline__ void flush(C* hist) {
+        if (sum != 0) atomicAdd(&hist[bin], sum);
+    }
+};
 
 // Block-wide f64 sum (fixed tree order). s_red holds 33 doubles.
 __device__ __forceinline__ double td_block_sum(double x, double* s_red) {
@@ -165,29 +194,35 @@ __device__ __forceinline__ void td_column(
         return;
     }
 
+    const float T = temperature[r];
+    const bool greedy = !(T > 0.0f);
+    const float rep = rep_pen[r], freq = freq_pen[r], pres = pres_pen[r];
+    // Neutral penalties (rep 1, freq 0, pres 0): every step that reads a count leaves the
+    // logit unchanged exactly (l / 1, l * 1 and l - (0 * c + 0) are l), so neither the counts
+    // nor the history are read (uniform over the cluster: it depends on the row only).
+    const bool penal = !(rep == 1.0f && freq == 0.0f && pres == 0.0f);
+
     // History d_1..d_i of this column (i <= cols - 1 <= TD_MAX_COLS - 1), and a 1024-bit
     // filter of it (bit d & 1023 of each d_j): an id whose bit is clear is in no d_j, so its
     // count is counts[r, v] alone and the history is scanned only for the few ids it flags.
     // The 32 ids of a warp share one filter word (their v >> 5 is the same), a broadcast.
-    if (tid < 32) s_filter[tid] = 0u;
-    __syncthreads();
-    for (int j = tid; j < i; j += nt) {
-        const int d = proposals[(size_t)r * (cols - 1) + j];
-        s_hist[j] = d;
-        atomicOr(&s_filter[(d >> 5) & 31], 1u << (d & 31));
+    if (penal) {
+        if (tid < 32) s_filter[tid] = 0u;
+        __syncthreads();
+        for (int j = tid; j < i; j += nt) {
+            const int d = proposals[(size_t)r * (cols - 1) + j];
+            s_hist[j] = d;
+            atomicOr(&s_filter[(d >> 5) & 31], 1u << (d & 31));
+        }
+        __syncthreads();
     }
-    __syncthreads();
 
-    const float T = temperature[r];
-    const bool greedy = !(T > 0.0f);
-    const float rep = rep_pen[r], freq = freq_pen[r], pres = pres_pen[r];
     const int* crow = counts + (size_t)r * vocab;
     const LT* lrow = logits + (size_t)lc * (size_t)vocab;
 
     // Pass 1: the lowest-id argmax and, for a sampled column, z into its p row (scratch).
     float bv = __int_as_float((int)0xff800000u);  // -inf without <math.h> (NVRTC)
     int bi = 0x7fffffff;
-    const bool penal = !(rep == 1.0f && freq == 0.0f && pres == 0.0f);
     if (vec4) {
         // 16-byte loads: the block's ids are its chunks of TD_THREADS ids (rank * TD_THREADS
         // + jj * stride, jj = 0, 1, ..), as in the scalar mapping, but thread t loads the 4
@@ -311,28 +346,12 @@ __device__ __forceinline__ void td_column(
             unsigned int* mine = s_count[pass & 1];
             for (int b = tid; b < 256; b += nt) mine[b] = 0u;
             __syncthreads();
-            // A thread adds a run of ids falling in one bin with one atomic (the z of a
-            // column crowd into a few bins: one atomic per id would serialize on them).
-            u32 run_bin = 0u, run = 0u;
-            for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
-                float zs[TD_UNROLL];
-                td_load_z(out, v0, stride, public_vocab, zs);
-#pragma unroll
-                for (int u = 0; u < TD_UNROLL; ++u) {
-                    if (v0 + u * stride >= public_vocab) break;
-                    const u32 key = td_key(zs[u]);
-                    if ((key & mask) == prefix) {
-                        const u32 bin = (key >> shift) & 255u;
-                        if (run != 0u && bin != run_bin) {
-                            atomicAdd(&mine[run_bin], run);
-                            run = 0u;
-                        }
-                        run_bin = bin;
-                        run += 1u;
-                    }
-                }
-            }
-            if (run != 0u) atomicAdd(&mine[run_bin], run);
+            TdRun<unsigned int> run;
+            td_each_z(out, first, stride, public_vocab, public_vocab, [&](int, float z) {
+                const u32 key = td_key(z);
+                if ((key & mask) == prefix) run.add(mine, (key >> shift) & 255u, 1u);
+            });
+            run.flush(mine);
             df_cluster_sync();
             for (int b = tid; b < 256; b += nt) {
                 unsigned long long c = 0ull;
@@ -367,34 +386,19 @@ __device__ __forceinline__ void td_column(
             unsigned long long* mine = s_mass[pass & 1];
             for (int b = tid; b < 256; b += nt) mine[b] = 0ull;
             __syncthreads();
-            // Runs of one bin added with one atomic, as for top-k (integer sums: exact in
-            // any grouping).
             // An id with z - zmax <= TD_MASS_ZERO has m = 0 (e * 2^40 <= exp(-27.75) * 2^40
             // < 0.98): it adds nothing, so no exp is spent on it (most of a real vocabulary).
-            u32 run_bin = 0u;
-            unsigned long long run = 0ull;
-            for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
-                float zs[TD_UNROLL];
-                td_load_z(out, v0, stride, public_vocab, zs);
-#pragma unroll
-                for (int u = 0; u < TD_UNROLL; ++u) {
-                    if (v0 + u * stride >= public_vocab) break;
-                    const u32 key = td_key(zs[u]);
-                    const double x = __dsub_rn((double)zs[u], zmax);
-                    if (key >= tk_key && (key & mask) == prefix && x > TD_MASS_ZERO) {
-                        const unsigned long long m =
-                            (unsigned long long)__dmul_rn(exp(x), TD_MASS_SCALE);
-                        const u32 bin = (key >> shift) & 255u;
-                        if (run != 0ull && bin != run_bin) {
-                            atomicAdd(&mine[run_bin], run);
-                            run = 0ull;
-                        }
-                        run_bin = bin;
-                        run += m;
-                    }
+            TdRun<unsigned long long> run;
+            td_each_z(out, first, stride, public_vocab, public_vocab, [&](int, float z) {
+                const u32 key = td_key(z);
+                const double x = __dsub_rn((double)z, zmax);
+                if (key >= tk_key && (key & mask) == prefix && x > TD_MASS_ZERO) {
+                    const unsigned long long m =
+                        (unsigned long long)__dmul_rn(exp(x), TD_MASS_SCALE);
+                    run.add(mine, (key >> shift) & 255u, m);
                 }
-            }
-            if (run != 0ull) atomicAdd(&mine[run_bin], run);
+            });
+            run.flush(mine);
             df_cluster_sync();
             for (int b = tid; b < 256; b += nt) {
                 unsigned long long m = 0ull;
@@ -432,40 +436,27 @@ __device__ __forceinline__ void td_column(
     const u32 thr = tk_key > tp_key ? tk_key : tp_key;
     const double mp = (double)min_p[r];
     double part = 0.0;
-    for (int v0 = first; v0 < public_vocab; v0 += stride * TD_UNROLL) {
-        float zs[TD_UNROLL];
-        td_load_z(out, v0, stride, public_vocab, zs);
-#pragma unroll
-        for (int u = 0; u < TD_UNROLL; ++u) {
-            if (v0 + u * stride >= public_vocab) break;
-            if (td_key(zs[u]) >= thr) {
-                const double e = exp(__dsub_rn((double)zs[u], zmax));
-                if (e >= mp) part = __dadd_rn(part, e);
-            }
+    td_each_z(out, first, stride, public_vocab, public_vocab, [&](int, float z) {
+        if (td_key(z) >= thr) {
+            const double e = exp(__dsub_rn((double)z, zmax));
+            if (e >= mp) part = __dadd_rn(part, e);
         }
-    }
+    });
     const double block_part = td_block_sum(part, s_red);
     if (tid == 0) s_csum = block_part;
     df_cluster_sync();
     double S = 0.0;
     for (unsigned k = 0; k < nb; ++k) S = __dadd_rn(S, *df_cluster_peer(&s_csum, k));
 
-    // Write pass.
-    for (int v0 = first; v0 < vocab; v0 += stride * TD_UNROLL) {
-        float zs[TD_UNROLL];
-        td_load_z(out, v0, stride, public_vocab, zs);
-#pragma unroll
-        for (int u = 0; u < TD_UNROLL; ++u) {
-            const int v = v0 + u * stride;
-            if (v >= vocab) break;
-            float val = 0.0f;
-            if (v < public_vocab && td_key(zs[u]) >= thr) {
-                const double e = exp(__dsub_rn((double)zs[u], zmax));
-                if (e >= mp) val = __double2float_rn(__ddiv_rn(e, S));
-            }
-            out[v] = val;
+    // Write pass (every id of the row: zeros past the public vocabulary).
+    td_each_z(out, first, stride, vocab, public_vocab, [&](int v, float z) {
+        float val = 0.0f;
+        if (v < public_vocab && td_key(z) >= thr) {
+            const double e = exp(__dsub_rn((double)z, zmax));
+            if (e >= mp) val = __double2float_rn(__ddiv_rn(e, S));
         }
-    }
+        out[v] = val;
+    });
     df_cluster_sync();  // the other blocks have read s_csum
 }
 

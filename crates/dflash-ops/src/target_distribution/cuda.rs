@@ -12,8 +12,10 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
     "/../../kernels/target_distribution.cu"
 ));
 
-/// Threads per block (must match `TD_THREADS` in the kernel).
+/// Threads per block (must match `TD_THREADS` in the kernel, whose 16-byte first pass maps
+/// 128 threads to each 512-id chunk).
 const THREADS: u32 = 512;
+const _: () = assert!(THREADS == 512);
 
 /// Blocks per verify column when the backend launches clusters (`CudaBackend::uses_clusters`:
 /// one cluster a column, each block streaming an eighth of the vocabulary); one block a column
@@ -115,10 +117,9 @@ pub(super) fn run(
         .map(RawArg::Ptr),
     );
     // 16-byte loads in the first pass where every logits and counts row starts 16-byte
-    // aligned (the kernel's chunk mapping assumes THREADS = 512).
+    // aligned.
     let vec4 = i32::from(
-        THREADS == 512
-            && params.vocab.is_multiple_of(4)
+        params.vocab.is_multiple_of(4)
             && logits_p.is_multiple_of(16)
             && counts_p.is_multiple_of(16),
     );

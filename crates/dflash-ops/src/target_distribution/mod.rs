@@ -97,22 +97,26 @@
 //! and later (`CudaBackend::uses_clusters`), one block elsewhere and under
 //! `KernelVariants::Portable`; entries `target_distribution_kernel` (f32 logits) and
 //! `target_distribution_bf16_kernel` (bf16 logits, each widened by a 16-bit shift of its
-//! bits). Block `k` of a column's cluster owns the ids `k * 512 + t + j * 4096` (thread `t`),
-//! the same ids in every pass. Pass 1 reduces each block's argmax (each thread issues the
-//! count and logit loads of 8 ids before using them); the blocks' results are merged with the
-//! lowest-id rule through distributed shared memory, so every block holds the same argmax. A
-//! greedy column then writes its one-hot row (`Full`) or its id (`Live`). A sampled column's
-//! pass 1 writes `z` into its own `p` row (scratch); top-k and top-p thresholds are found by a
-//! 4-pass radix select (8 bits per pass) on the order-preserving u32 key of `z`: each block
-//! counts its ids (u32 counts for top-k, u64 masses for top-p, shared-memory integer atomics,
-//! a thread's run of ids in one bin added at once; an id whose mass is 0, `z - zmax <=
-//! -27.75`, spends neither its `exp` nor an add) and every block sums the cluster's
-//! histograms, so the thresholds are exact, deterministic and the same in every block; then
-//! each block's f64 part of `S`, summed in block order by every block (a column's `S`, so its
-//! `p`, never depends on the batch it is in), and one write pass. Every pass loads a thread's
-//! next 8 ids before using the first (the passes are bound by memory latency, not bytes). A thread only ever reads back the `p` elements it wrote itself; every logits
-//! read is inside the checked column `c(r, i)`. Measured on the H200 (K = 15, one request,
-//! official vocabulary): see `docs/performance-engine_round.md`.
+//! bits). Block `k` of a column's cluster owns the 512-id chunks at `k * 512 + j * 4096`, in
+//! every pass. Pass 1 reduces each block's argmax: where the vocabulary is a multiple of 4 and
+//! the logits and counts start 16-byte aligned, thread `t` loads 4 consecutive ids of a chunk
+//! with one load (16 ids a thread in flight), else one id `t` of each chunk (8 in flight); a
+//! row whose penalties are neutral reads neither counts nor history (every step that reads
+//! them is then the identity, exactly). The blocks' results are merged with the lowest-id rule
+//! through distributed shared memory, so every block holds the same argmax. A greedy column
+//! then writes its one-hot row (`Full`) or its id (`Live`). A sampled column's pass 1 writes
+//! `z` into its own `p` row (scratch; the later passes, where thread `t` owns id `t` of each
+//! chunk, read it after a barrier, each thread its next 8 ids at once); top-k and top-p
+//! thresholds are found by a 4-pass radix select (8 bits per pass) on the order-preserving
+//! u32 key of `z`: each block counts its ids (u32 counts for top-k, u64 masses for top-p,
+//! shared-memory integer atomics, a thread's run of ids in one bin added at once; an id whose
+//! mass is 0, `z - zmax <= -27.75`, spends neither its `exp` nor an add) and every block sums
+//! the cluster's histograms, so the thresholds are exact, deterministic and the same in every
+//! block; then each block's f64 part of `S`, summed in block order by every block (a column's
+//! `S`, so its `p`, never depends on the batch it is in), and one write pass. A block only
+//! reads back `p` elements it wrote itself; every logits read is inside the checked column
+//! `c(r, i)`. Measured on the H200 (K = 15, official vocabulary): see
+//! `docs/performance-engine_round.md`.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
