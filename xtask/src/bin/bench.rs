@@ -52,7 +52,7 @@ use dflash_draft::{
     BindOptions, DraftModel, HeadParts, HeadShape, RowRequest, TargetParts, Workspace,
     WorkspaceSpec,
 };
-use dflash_ops::cuda::CudaBackend;
+use dflash_ops::cuda::{CudaBackend, GemmKernels};
 use dflash_ops::proposal_argmax::{self, ProposalHead};
 use dflash_ops::sliding_window_attention::{self as swa, LocalAttentionParams};
 use dflash_ops::softmax_attention::{self as fa, FullAttentionParams};
@@ -184,6 +184,8 @@ struct Draft {
     backend: DraftBackend,
     hidden: usize,
     window: usize,
+    /// MLP intermediate size.
+    inter: usize,
 }
 
 const DRAFTS: [Draft; 2] = [
@@ -192,12 +194,14 @@ const DRAFTS: [Draft; 2] = [
         backend: DraftBackend::DFlash,
         hidden: 2048,
         window: 4096,
+        inter: 6144,
     },
     Draft {
         name: "27B DFlash2",
         backend: DraftBackend::DFlash2,
         hidden: 5120,
         window: 2048,
+        inter: 17408,
     },
 ];
 
@@ -431,6 +435,121 @@ fn bench_heads(cuda: &CudaBackend, d: &Draft, b: usize, k: usize) -> Result<Vec<
     Ok(rows)
 }
 
+/// One row of the GEMM report: a draft weight shape `[n, k]` at `m` rows of A.
+#[derive(Clone, Debug)]
+struct GemmRow {
+    op: &'static str,
+    draft: &'static str,
+    weight: &'static str,
+    m: usize,
+    n: usize,
+    k: usize,
+    median_us: f64,
+    floor_us: f64,
+}
+
+impl GemmRow {
+    /// Effective rate: the bytes the product must move (weight, A, C) over its time.
+    fn tb_s(&self) -> f64 {
+        (self.n * self.k * 2 + self.m * (self.k + self.n) * 2) as f64 / self.median_us * 1e-6
+    }
+}
+
+/// The rows of A the GEMM report times: B x (K + 1) at (B, K) = (1, 7), (1, 15), (2, 15),
+/// (4, 15), (8, 15).
+const GEMM_ROWS: [usize; 5] = [8, 16, 32, 64, 128];
+
+/// Every distinct layer weight shape of draft `d` (`[n, k]`, the checkpoint's layout) at each
+/// of [`GEMM_ROWS`]: `gemm` (the backend's choice: the skinny kernel up to 64 rows) and
+/// `cublas_gemm` (cuBLAS alone) in the same run. Each graph rotates over copies of the weight
+/// whose total exceeds the L2 cache. Floor: weight + A + C bytes / 4.1 TB/s.
+fn bench_gemm(cuda: &CudaBackend, d: &Draft, inter: usize) -> Result<Vec<GemmRow>> {
+    let be = Backend::Cuda(cuda.clone());
+    let h = d.hidden;
+    let shapes: [(&'static str, usize, usize); 5] = [
+        ("q_proj", HQ * D, h),
+        ("k_proj / v_proj", HKV * D, h),
+        ("o_proj", h, HQ * D),
+        ("gate_proj / up_proj", inter, h),
+        ("down_proj", h, inter),
+    ];
+    let mut rows = Vec::new();
+    for (si, &(weight, n, k)) in shapes.iter().enumerate() {
+        let bytes = n * k * 2;
+        let copies = (ROTATE_BYTES / bytes).clamp(1, 16);
+        let ws: Vec<Buffer<bf16>> = (0..copies)
+            .map(|c| random_buf(&be, n * k, 31 + (si * 16 + c) as u64, |x| bf(0.02 * x)))
+            .collect::<Result<_>>()?;
+        for &m in &GEMM_ROWS {
+            let a = random_buf(&be, m * k, 7, |x| bf(2.0 * x))?;
+            let mut out = be.zeros::<bf16>(m * n)?;
+            let gp = gemm::GemmParams { m, n, k };
+            let floor = floor_us((bytes + m * (k + n) * 2) as f64);
+            for (op, kernels) in [
+                ("gemm", GemmKernels::Auto),
+                ("cublas_gemm", GemmKernels::Cublas),
+            ] {
+                cuda.set_gemm_kernels(kernels);
+                let reps = copies.max(4);
+                let t = time_graph(cuda, reps, |i| {
+                    gemm::run_bf16(&be, &a, &ws[i % copies], &mut out, &gp).map_err(Into::into)
+                });
+                cuda.set_gemm_kernels(GemmKernels::Auto);
+                rows.push(GemmRow {
+                    op,
+                    draft: d.name,
+                    weight,
+                    m,
+                    n,
+                    k,
+                    median_us: t?,
+                    floor_us: floor,
+                });
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// The GEMM report: `gemm` and `cublas_gemm` side by side per draft, weight and rows.
+fn gemm_report(rows: &[GemmRow], head: &str) -> (String, Vec<serde_json::Value>) {
+    let mut md = format!(
+        "{head}
+| draft | weight [n, k] | m | gemm us | TB/s | cublas_gemm us | TB/s | floor us | gemm x floor |\n\
+         |---|---|---|---|---|---|---|---|---|\n"
+    );
+    for pair in rows.chunks(2) {
+        if let [own, blas] = pair {
+            md.push_str(&format!(
+                "| {} | {} [{}, {}] | {} | {:.1} | {:.2} | {:.1} | {:.2} | {:.1} | {:.2} |\n",
+                own.draft,
+                own.weight,
+                own.n,
+                own.k,
+                own.m,
+                own.median_us,
+                own.tb_s(),
+                blas.median_us,
+                blas.tb_s(),
+                own.floor_us,
+                own.median_us / own.floor_us
+            ));
+        }
+    }
+    let json = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "op": r.op, "draft": r.draft, "weight": r.weight, "m": r.m, "n": r.n, "k": r.k,
+                "median_us": (r.median_us * 10.0).round() / 10.0,
+                "floor_us": (r.floor_us * 10.0).round() / 10.0,
+                "tb_s": (r.tb_s() * 100.0).round() / 100.0,
+            })
+        })
+        .collect();
+    (md, json)
+}
+
 /// Bytes every block reads: the layer weights, the final norm, the output head [V, H] and
 /// DFlash2's W_hidden.
 fn weight_bytes(g: &Geometry) -> u64 {
@@ -575,13 +694,19 @@ fn bench_block(
     rows: usize,
     k: usize,
     context: usize,
-) -> Result<Row> {
+) -> Result<[Row; 2]> {
     let be = Backend::Cuda(cuda.clone());
     let (store, mut ws, _reqs) = block_state(&be, s, rows, k, context)?;
     let tp = target_parts(s);
     let t = time_graph(cuda, 1, |_| {
         s.model.run_block(&store, &tp, &mut ws).map_err(Into::into)
     })?;
+    cuda.set_gemm_kernels(GemmKernels::Cublas);
+    let t_blas = time_graph(cuda, 1, |_| {
+        s.model.run_block(&store, &tp, &mut ws).map_err(Into::into)
+    });
+    cuda.set_gemm_kernels(GemmKernels::Auto);
+    let t_blas = t_blas?;
     let g = &s.g;
     let kv_per_pos = u64::from(g.kv_heads) * u64::from(g.head_dim) * 4;
     let mut kv = 0u64;
@@ -592,15 +717,16 @@ fn bench_block(
         } as u64;
         kv += rows as u64 * vis * kv_per_pos;
     }
-    Ok(Row {
-        op: "block",
+    let row = |op, median_us| Row {
+        op,
         draft: d.name,
         b: rows,
         k,
         context,
-        median_us: t,
+        median_us,
         floor_us: floor_us((weight_bytes(g) + kv) as f64),
-    })
+    };
+    Ok([row("block", t), row("block_cublas_gemm", t_blas)])
 }
 
 fn profile(cuda: &CudaBackend, which: &str, shape: Option<(usize, usize, usize)>) -> Result<()> {
@@ -663,7 +789,7 @@ fn engine_rounds(
     for d in &DRAFTS {
         for &(b, k, ctx) in &shapes {
             let s = setup(&be, d.backend)?;
-            let block = bench_block(cuda, &s, d, b, k, ctx)?;
+            let [block, _] = bench_block(cuda, &s, d, b, k, ctx)?;
             let Setup {
                 g,
                 model,
@@ -820,6 +946,7 @@ fn main() -> Result<()> {
         } else {
             dflash_ops::cuda::KernelVariants::Auto
         },
+        ..Default::default()
     };
     let cuda = CudaBackend::with_options(0, options).context("opening CUDA device 0")?;
     let out = value("--out")?;
@@ -887,6 +1014,48 @@ fn main() -> Result<()> {
             }
         }
     }
+    if wanted("gemm") {
+        let mut grows = Vec::new();
+        for d in &DRAFTS {
+            for r in bench_gemm(&cuda, d, d.inter)? {
+                eprintln!(
+                    "[{:6.1} s] {:>12} {:>15} {:>20} m={:>3}: {:>8.1} us ({:.2} TB/s, floor {:.1} us)",
+                    t0.elapsed().as_secs_f64(),
+                    r.op,
+                    r.draft,
+                    r.weight,
+                    r.m,
+                    r.median_us,
+                    r.tb_s(),
+                    r.floor_us
+                );
+                grows.push(r);
+            }
+        }
+        let head = format!(
+            "# Performance report: the draft's layer GEMMs\n\n- date: {}\n- GPU: {} ({}), driver {}\n\
+             - commit: {commit}\n- command: `{}`\n- time: CUDA events around CUDA-graph replays \
+             (each graph rotates over copies of the weight larger than the L2 cache), median of 7\n\
+             - `gemm`: the backend's choice (the skinny kernel of kernels/gemm.cu for m <= 64, \
+             cuBLAS above); `cublas_gemm`: cuBLAS alone; TB/s: weight + A + C bytes / time; \
+             floor: those bytes / 4.1 TB/s\n",
+            utc_now(),
+            info.name,
+            info.arch,
+            driver_version(),
+            args.join(" "),
+        );
+        let (md, json) = gemm_report(&grows, &head);
+        if let Some(dir) = &out {
+            std::fs::create_dir_all(dir)?;
+            std::fs::write(format!("{dir}/gemm.md"), &md)?;
+            std::fs::write(
+                format!("{dir}/gemm.json"),
+                serde_json::to_string_pretty(&json)?,
+            )?;
+        }
+        println!("{md}");
+    }
     if wanted("attention") && shape.is_none() {
         log(bench_full(&cuda, &DRAFTS[0], 1, 7, 131_072)?, &mut rows);
     }
@@ -894,10 +1063,14 @@ fn main() -> Result<()> {
         for d in &DRAFTS {
             let s = setup(&be, d.backend)?;
             for &(b, k, ctx) in &shapes {
-                log(bench_block(&cuda, &s, d, b, k, ctx)?, &mut rows);
+                for r in bench_block(&cuda, &s, d, b, k, ctx)? {
+                    log(r, &mut rows);
+                }
             }
             if d.backend == DraftBackend::DFlash && shape.is_none() {
-                log(bench_block(&cuda, &s, d, 1, 7, 131_072)?, &mut rows);
+                for r in bench_block(&cuda, &s, d, 1, 7, 131_072)? {
+                    log(r, &mut rows);
+                }
             }
         }
     }

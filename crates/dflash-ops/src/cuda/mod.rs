@@ -57,11 +57,25 @@ pub enum KernelVariants {
     Portable,
 }
 
+/// Which implementation the GEMMs of a [`CudaBackend`] use (the `gemm` op and every op that
+/// multiplies by a weight).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmKernels {
+    /// The `gemm` op's own kernel for products of at most 64 rows whose operands it takes
+    /// (see `crates/dflash-ops/src/gemm/mod.rs`), cuBLAS for every other product.
+    #[default]
+    Auto,
+    /// cuBLAS for every product (the plain-cuBLAS reference of the benchmarks).
+    Cublas,
+}
+
 /// Options of [`CudaBackend::with_options`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaOptions {
     /// Which kernel variants to use.
     pub kernels: KernelVariants,
+    /// Which GEMM implementation to use.
+    pub gemm: GemmKernels,
 }
 
 /// Ops with an architecture-specific (`sm_90a`) kernel variant besides the portable one.
@@ -94,6 +108,8 @@ struct Inner {
     stream: Arc<CudaStream>,
     arch: String,
     sm90a: bool,
+    /// [`GemmKernels::Auto`] (see [`CudaBackend::set_gemm_kernels`]).
+    own_gemm: std::sync::atomic::AtomicBool,
     dependent_launch: bool,
     clusters: bool,
     include_dir: String,
@@ -366,6 +382,7 @@ pub fn kernel_modules() -> Vec<(&'static str, String)> {
             crate::embedding_gather::OP,
             crate::embedding_gather::cuda::SOURCE.into(),
         ),
+        (crate::gemm::OP, crate::gemm::cuda::SOURCE.into()),
         (
             crate::head_norm_rope::OP,
             crate::head_norm_rope::cuda::SOURCE.into(),
@@ -524,6 +541,7 @@ impl CudaBackend {
                 stream,
                 arch: format!("sm_{major}{minor}"),
                 sm90a: options.kernels == KernelVariants::Auto && (major, minor) == (9, 0),
+                own_gemm: std::sync::atomic::AtomicBool::new(options.gemm == GemmKernels::Auto),
                 dependent_launch: options.kernels == KernelVariants::Auto && major >= 9,
                 clusters: options.kernels == KernelVariants::Auto && major >= 9,
                 include_dir,
@@ -781,6 +799,24 @@ impl CudaBackend {
     /// 9.0 and [`KernelVariants::Auto`]).
     pub fn uses_sm90a(&self) -> bool {
         self.inner.sm90a
+    }
+
+    /// Whether GEMMs of at most 64 rows may use the `gemm` op's own kernel
+    /// ([`GemmKernels::Auto`]); otherwise every GEMM is a cuBLAS call.
+    pub fn uses_own_gemm(&self) -> bool {
+        self.inner
+            .own_gemm
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Switch the GEMM implementation of work queued from now on (every clone of this backend
+    /// shares it; a recorded CUDA graph keeps the kernels it recorded), e.g. to time the same
+    /// model with cuBLAS alone in one process.
+    pub fn set_gemm_kernels(&self, gemm: GemmKernels) {
+        self.inner.own_gemm.store(
+            gemm == GemmKernels::Auto,
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// Whether the ops of [`DEPENDENT_LAUNCH_OPS`] launch kernels as programmatic

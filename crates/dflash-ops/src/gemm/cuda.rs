@@ -1,27 +1,49 @@
-//! CUDA path of `gemm`: one `cublasGemmEx` (BF16 inputs, FP32 compute), and the crate-wide
-//! device GEMM helper [`gemm_bf16_device`] that other launchers call on slices or views.
+//! CUDA path of `gemm`: the skinny kernel of `kernels/gemm.cu` for products of at most
+//! `SKINNY_MAX_M` rows whose operands it takes (`plan::skinny_plan`), one `cublasGemmEx` (BF16
+//! inputs, FP32 compute) otherwise, and the crate-wide device GEMM helper
+//! [`gemm_bf16_device`] that other launchers call on slices or views.
 
 use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::cuda::CudaBackend;
+use crate::cuda::{CudaBackend, RawArg};
 use crate::{Buffer, Element, OpsError, Result};
 
 use super::OP;
+use super::plan::{SkinnyPlan, skinny_plan};
+
+pub(crate) const SOURCE: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../kernels/gemm.cu"
+));
 
 /// An output element type cuBLAS can write from an FP32 accumulator (f32 or bf16).
 pub(crate) trait GemmOutElem: Element {
     /// The cuBLAS data type of the output.
     const CUDA_TYPE: sys::cudaDataType_t;
+    /// The skinny kernel's entry points for 1, 2, 4 and 8 n8 tiles of A's rows.
+    const SKINNY: [&'static str; 4];
 }
 
 impl GemmOutElem for f32 {
     const CUDA_TYPE: sys::cudaDataType_t = sys::cudaDataType_t::CUDA_R_32F;
+    const SKINNY: [&'static str; 4] = [
+        "gemm_skinny_nt1_f32",
+        "gemm_skinny_nt2_f32",
+        "gemm_skinny_nt4_f32",
+        "gemm_skinny_nt8_f32",
+    ];
 }
 
 impl GemmOutElem for bf16 {
     const CUDA_TYPE: sys::cudaDataType_t = sys::cudaDataType_t::CUDA_R_16BF;
+    const SKINNY: [&'static str; 4] = [
+        "gemm_skinny_nt1_bf16",
+        "gemm_skinny_nt2_bf16",
+        "gemm_skinny_nt4_bf16",
+        "gemm_skinny_nt8_bf16",
+    ];
 }
 
 /// Shape and strides of one device GEMM `C[i, j] (+)= sum_l A[i, l] * W[j, l]`, row-major:
@@ -156,13 +178,23 @@ where
         as_c_int(op, "ldw", g.ldw)?,
         as_c_int(op, "ldc", g.ldc)?,
     );
-    let blas = c.blas()?;
     let stream = c.stream();
-    let alpha: f32 = 1.0;
-    let beta: f32 = if g.accumulate { 1.0 } else { 0.0 };
     let (a_ptr, _ra) = a.device_ptr(stream);
     let (w_ptr, _rw) = w.device_ptr(stream);
     let (c_ptr, _rc) = out.device_ptr_mut(stream);
+    if c.uses_own_gemm()
+        && let Some(plan) = skinny_plan(
+            (g.m, g.n, g.k),
+            (a_ptr, g.lda),
+            (w_ptr, g.ldw),
+            c.limits().sm_count,
+        )
+    {
+        return launch_skinny::<T>(c, op, (a_ptr, w_ptr, c_ptr), g, &plan);
+    }
+    let blas = c.blas()?;
+    let alpha: f32 = 1.0;
+    let beta: f32 = if g.accumulate { 1.0 } else { 0.0 };
     // SAFETY: the handle is bound to `stream`, on which every op of this backend is queued;
     // the three pointers are live device allocations (borrowed for the duration of this call,
     // and the work is stream-ordered before any later free) whose lengths were checked above
@@ -198,6 +230,53 @@ where
         g.k,
         T::DTYPE
     )))
+}
+
+/// Queue the skinny kernel for a product [`gemm_bf16_device`] checked, at device addresses
+/// `(a, w, c)`.
+fn launch_skinny<T: GemmOutElem>(
+    c: &CudaBackend,
+    op: &'static str,
+    (a, w, out): (u64, u64, u64),
+    g: &DeviceGemm,
+    plan: &SkinnyPlan,
+) -> Result<()> {
+    let name = T::SKINNY[plan.tiles_log2];
+    let threads = (plan.warps * 32) as u32;
+    // GEMM_STAGES (4) stages of (2 + NT) slots of 32 lanes x 16 bytes a warp (GemmCfg).
+    let smem = plan.warps * 4 * (2 + (1 << plan.tiles_log2)) * 32 * 16;
+    let k = c.kernel(OP, SOURCE, name, threads, smem)?;
+    let dim = |v: usize, what: &'static str| as_c_int(op, what, v);
+    let blocks = u32::try_from(plan.blocks).map_err(|_| OpsError::Param {
+        op,
+        param: "n",
+        expected: "at most 2^36 weight rows".into(),
+        found: g.n.to_string(),
+    })?;
+    let mut args = [
+        RawArg::Ptr(a),
+        RawArg::Ptr(w),
+        RawArg::Ptr(out),
+        RawArg::I32(dim(g.m, "m")?),
+        RawArg::I32(dim(g.n, "n")?),
+        RawArg::I32(dim(g.k, "k")?),
+        RawArg::I64(g.lda as i64),
+        RawArg::I64(g.ldw as i64),
+        RawArg::I64(g.ldc as i64),
+        RawArg::I32(i32::from(g.accumulate)),
+    ];
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    // SAFETY: the arguments match the entry's parameters (three pointers, three ints, three
+    // long longs, an int); `gemm_bf16_device` checked that every operand holds the span its
+    // dimensions and strides imply, and `skinny_plan` that A and W rows are 16-byte aligned
+    // and k a multiple of 32 (the kernel's 16-byte loads never pass a row's k-th element);
+    // the shared memory is the warps' cp.async rings (`GemmCfg::WARP_BYTES` each), which the
+    // reduction's `[warps][NT * 4][32]` floats reuse.
+    unsafe { c.launch_ex(&k.func, cfg, &mut args, name, false, 1) }
 }
 
 /// The `gemm` op on whole buffers (lengths already checked by `run_*`).

@@ -30,6 +30,8 @@
 pub(crate) mod cuda;
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) mod data;
+#[cfg(any(test, feature = "cuda"))]
+pub(crate) mod plan;
 pub(crate) mod reference;
 #[cfg(test)]
 mod tests;
@@ -191,13 +193,210 @@ fn case(
     }
 }
 
-/// Conformance cases.
+/// An output element a strided case rounds its f64 oracle to (once).
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) trait RoundedOut: Element {
+    /// The f64 value rounded once to this type (RNE).
+    fn round(v: f64) -> Self;
+}
+
+#[cfg(any(test, feature = "conformance"))]
+impl RoundedOut for f32 {
+    fn round(v: f64) -> Self {
+        v as f32
+    }
+}
+
+#[cfg(any(test, feature = "conformance"))]
+impl RoundedOut for bf16 {
+    fn round(v: f64) -> Self {
+        crate::bf16_rne_f64(v)
+    }
+}
+
+/// Shape of a strided case: `m x n x k` with row strides `k + pad` (A, W) and `n + pad` (C).
+#[cfg(any(test, feature = "conformance"))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Strided {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub pad: usize,
+    pub accumulate: bool,
+}
+
+/// The product of [`Strided`] the way the other ops' launchers call it (the crate's device
+/// helper, operands with row padding, and with `accumulate` `C += A W^T` over a random C):
+/// on the CPU the f64 sum (plus the old element) rounded once; the padding of every row of
+/// C must keep its bits.
+#[cfg(any(test, feature = "conformance"))]
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+fn strided_case<T: RoundedOut + StridedDevice>(
+    s: Strided,
+    seed: u64,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let Strided {
+            m,
+            n,
+            k,
+            pad,
+            accumulate,
+        } = s;
+        let (lda, ldc) = (k + pad, n + pad);
+        let mut g = data::SplitMix::new(seed);
+        let a = g.bf16_vec(m * lda, -2.0, 2.0);
+        let wscale = 1.0 / (k as f64).sqrt();
+        let w = g.bf16_vec(n * lda, -wscale, wscale);
+        let old = g.bf16_vec(m * ldc, -1.0, 1.0);
+        let written = |i: usize| i % ldc < n;
+        let before: Vec<T> = (0..m * ldc)
+            .map(|i| {
+                if written(i) && !accumulate {
+                    T::POISON
+                } else {
+                    T::round(f64::from(old[i].to_f32()))
+                }
+            })
+            .collect();
+        let mut crit = criterion(k, data::max_abs_bf16(&a), data::max_abs_bf16(&w), false);
+        if let Criterion::Close { bf16_ulps, .. } = &mut crit {
+            *bf16_ulps = u32::from(T::DTYPE == crate::DType::BF16);
+        }
+        let mut inputs = InputCheck::default();
+        let ab = inputs.upload(be, "a", &a)?;
+        let wb = inputs.upload(be, "w", &w)?;
+        let mut out = be.upload(&before)?;
+        match be {
+            Backend::Cpu => {
+                let (ah, wh) = (ab.host(OP, "a")?, wb.host(OP, "w")?);
+                let o = out.host_mut(OP, "out")?;
+                for i in 0..m {
+                    for j in 0..n {
+                        let dot = (0..k).fold(0.0f64, |acc, l| {
+                            acc + f64::from(ah[i * lda + l].to_f32())
+                                * f64::from(wh[j * lda + l].to_f32())
+                        });
+                        let prior = if accumulate {
+                            o[i * ldc + j].to_f64()
+                        } else {
+                            0.0
+                        };
+                        o[i * ldc + j] = T::round(dot + prior);
+                    }
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => T::device_gemm(
+                c,
+                &ab,
+                &wb,
+                &mut out,
+                &cuda::DeviceGemm {
+                    m,
+                    n,
+                    k,
+                    lda,
+                    ldw: lda,
+                    ldc,
+                    accumulate,
+                },
+            )?,
+        }
+        let out = output("out", crit, &before, &be.download(&out)?, written);
+        let mut modified = Vec::new();
+        inputs.verify(be, "a", &ab, &mut modified)?;
+        inputs.verify(be, "w", &wb, &mut modified)?;
+        Ok(CaseRun {
+            outputs: vec![out],
+            modified_inputs: modified,
+        })
+    }
+}
+
+/// The device helper on whole buffers, for [`strided_case`].
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) trait StridedDevice: Element {
+    /// `gemm_bf16_device` with this output type.
+    #[cfg(feature = "cuda")]
+    fn device_gemm(
+        c: &crate::cuda::CudaBackend,
+        a: &Buffer<bf16>,
+        w: &Buffer<bf16>,
+        out: &mut Buffer<Self>,
+        g: &cuda::DeviceGemm,
+    ) -> Result<()>;
+}
+
+#[cfg(any(test, feature = "conformance"))]
+macro_rules! strided_device {
+    ($t:ty) => {
+        impl StridedDevice for $t {
+            #[cfg(feature = "cuda")]
+            fn device_gemm(
+                c: &crate::cuda::CudaBackend,
+                a: &Buffer<bf16>,
+                w: &Buffer<bf16>,
+                out: &mut Buffer<Self>,
+                g: &cuda::DeviceGemm,
+            ) -> Result<()> {
+                cuda::gemm_bf16_device(
+                    c,
+                    OP,
+                    a.device(OP, "a")?,
+                    w.device(OP, "w")?,
+                    out.device_mut(OP, "out")?,
+                    g,
+                )
+            }
+        }
+    };
+}
+#[cfg(any(test, feature = "conformance"))]
+strided_device!(f32);
+#[cfg(any(test, feature = "conformance"))]
+strided_device!(bf16);
+
+/// Conformance cases. On CUDA, products of at most 64 rows with `k % 32 == 0` take the
+/// skinny kernel (every n8-tile count: m 1, 8, 16, 24 -> 4 tiles, 64; n not a multiple of 16;
+/// strides and accumulate), the rest cuBLAS (k 33, m 128).
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
+    let strided = |m, n, k, pad, accumulate| Strided {
+        m,
+        n,
+        k,
+        pad,
+        accumulate,
+    };
     vec![
         Case::new(OP, "odd_m3_n17_k33_f32", case(3, 17, 33, 1, false)),
         Case::new(OP, "odd_m3_n17_k33_bf16", case(3, 17, 33, 2, true)),
         Case::new(OP, "m1_n256_k512_bf16", case(1, 256, 512, 3, true)),
+        Case::new(OP, "m8_n1000_k2048_f32", case(8, 1000, 2048, 8, false)),
+        Case::new(OP, "m24_n333_k96_bf16", case(24, 333, 96, 9, true)),
+        Case::new(OP, "m64_n520_k4096_bf16", case(64, 520, 4096, 10, true)),
+        Case::new(OP, "m5_n40_k64_f32", case(5, 40, 64, 11, false)),
+        Case::new(
+            OP,
+            "strided_m16_n100_k256_pad8_f32",
+            strided_case::<f32>(strided(16, 100, 256, 8, false), 12),
+        ),
+        Case::new(
+            OP,
+            "strided_accumulate_m16_n100_k256_pad8_f32",
+            strided_case::<f32>(strided(16, 100, 256, 8, true), 13),
+        ),
+        Case::new(
+            OP,
+            "strided_accumulate_m9_n70_k512_pad16_bf16",
+            strided_case::<bf16>(strided(9, 70, 512, 16, true), 14),
+        ),
+        Case::new(
+            OP,
+            "strided_unaligned_m4_n30_k64_pad3_bf16",
+            strided_case::<bf16>(strided(4, 30, 64, 3, false), 15),
+        ),
         Case::new(OP, "m128_n1024_k2048_f32", case(128, 1024, 2048, 4, false)).heavy(),
         Case::new(
             OP,
@@ -215,6 +414,18 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "m16_n17408_k5120_bf16_27b_mlp",
             case(16, 17408, 5120, 7, true),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "m16_n5120_k17408_bf16_27b_down",
+            case(16, 5120, 17408, 16, true),
+        )
+        .heavy(),
+        Case::new(
+            OP,
+            "m32_n1024_k5120_f32_27b_kv",
+            case(32, 1024, 5120, 17, false),
         )
         .heavy(),
     ]

@@ -202,3 +202,48 @@ fn reference_is_independent_of_the_worker_count() {
         );
     }
 }
+
+/// The skinny kernel's plan: which products it takes, with which entry and how many warps.
+#[test]
+fn skinny_plan_takes_aligned_products_of_at_most_64_rows() {
+    use super::plan::{SKINNY_MAX_M, SkinnyPlan, skinny_plan};
+    let sms = 132;
+    let plan = |m, n, k, a, lda, w, ldw| skinny_plan((m, n, k), (a, lda), (w, ldw), sms);
+    let taken = |m, n, k| plan(m, n, k, 0, k, 0, k).expect("taken by the skinny kernel");
+    // Refused: no rows, too many rows, k not a multiple of 32, misaligned address or stride.
+    assert_eq!(plan(0, 64, 64, 0, 64, 0, 64), None);
+    assert_eq!(plan(SKINNY_MAX_M + 1, 64, 64, 0, 64, 0, 64), None);
+    assert_eq!(plan(16, 64, 48, 0, 48, 0, 48), None);
+    assert_eq!(plan(16, 64, 64, 8, 64, 0, 64), None);
+    assert_eq!(plan(16, 64, 64, 0, 64, 2, 64), None);
+    assert_eq!(plan(16, 64, 64, 0, 68, 0, 64), None);
+    assert_eq!(plan(16, 64, 64, 0, 64, 0, 76), None);
+    // Entries by n8 tiles: m 1..8 -> 1 tile, 9..16 -> 2, 17..32 -> 4, 33..64 -> 8.
+    for (m, log2) in [
+        (1, 0),
+        (8, 0),
+        (9, 1),
+        (16, 1),
+        (17, 2),
+        (32, 2),
+        (33, 3),
+        (64, 3),
+    ] {
+        let p = plan(m, 6144, 2048, 256, 2048, 4096, 2048).expect("aligned, m <= 64");
+        assert_eq!(p.tiles_log2, log2, "m = {m}");
+    }
+    // Small weights get 16 warps a block (8 for 8 tiles), large ones 8; never more warps than
+    // 32-element chunks; a block per 16 rows, rounding up.
+    assert_eq!(
+        plan(16, 1024, 2048, 0, 2048, 0, 2048),
+        Some(SkinnyPlan {
+            tiles_log2: 1,
+            blocks: 64,
+            warps: 16
+        })
+    );
+    assert_eq!(taken(64, 1024, 2048).warps, 8);
+    assert_eq!(taken(16, 34816, 5120).warps, 8);
+    assert_eq!(taken(16, 1000, 96).warps, 3);
+    assert_eq!(taken(16, 1001, 2048).blocks, 63);
+}

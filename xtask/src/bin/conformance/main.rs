@@ -147,6 +147,7 @@ fn run() -> Result<ExitCode> {
     let portable = if cuda.uses_sm90a() || cuda.uses_dependent_launch() || cuda.uses_clusters() {
         let options = CudaOptions {
             kernels: KernelVariants::Portable,
+            ..Default::default()
         };
         Some(Backend::Cuda(
             CudaBackend::with_options(0, options).context("opening the portable backend")?,

@@ -1,0 +1,143 @@
+// gemm: C = A W^T (or C += A W^T) for at most 64 rows of A, streaming the weight W once
+// (contract: crates/dflash-ops/src/gemm/mod.rs). The launcher (crates/dflash-ops/src/gemm/
+// cuda.rs) takes this path for m <= 64 when k is a multiple of 32, the row strides of A and W
+// are multiples of 8 elements and both start 16-byte aligned; every other product goes
+// through cuBLAS.
+//
+// Work split. Block b owns the 16 weight rows (output features) 16b .. 16b + 15; its warps
+// split the reduction axis into contiguous ranges of 32-element chunks (warp w of W warps:
+// chunks [w * C / W, (w + 1) * C / W)). Per chunk, lane 4g + q copies 16 bytes of weight rows
+// g and g + 8 at element k0 + 8q and 16 bytes of A rows 8j + g (j < NT, the n8 tiles of A's
+// rows) at the same k into its own slots of the warp's GEMM_STAGES-deep cp.async ring (L2
+// only: each weight byte is read once, A is read by every block from the L2), so that
+// GEMM_STAGES - 1 chunks are in flight while one is multiplied; a lane reads back only what
+// it copied itself, so the ring needs no barrier. The chunk is two mma.m16n8k16 per n8 tile
+// with the weight as the A operand (16 x 16) and A^T as B (16 x 8); both operands take the
+// reduction axis in the same permuted order (logical k 2q, 2q + 1, 8 + 2q, 8 + 2q + 1 of the
+// first MMA are physical 8q .. 8q + 3, of the second 8q + 4 .. 8q + 7), which leaves each dot
+// product's terms unchanged. Weight rows past n and A rows past m are read at row 0 instead
+// and their results never stored (an MMA output element depends only on its own row and
+// column).
+//
+// Reduction. Each warp's FP32 partial sums go to shared memory and are added in warp order
+// (fixed, so the result is deterministic and does not depend on the grid), then one thread
+// per output element stores it: F32 as is, BF16 rounded once (RNE); with `accumulate`, the
+// old C element (as F32) is added to the sum before that rounding, as cuBLAS does for beta = 1.
+
+// Warps per block at most: 16, or 8 for 8 n8 tiles (their rings would exceed the shared
+// memory of a block). Mirrored by the launcher (`gemm::cuda::skinny_plan`).
+#define GEMM_WARPS_CAP(NT) ((NT) >= 8 ? 8 : 16)
+
+__device__ __forceinline__ float gemm_load_out(const float* p) { return *p; }
+__device__ __forceinline__ float gemm_load_out(const __nv_bfloat16* p) { return bf2f(*p); }
+__device__ __forceinline__ void gemm_store_out(float* p, float v) { *p = v; }
+__device__ __forceinline__ void gemm_store_out(__nv_bfloat16* p, float v) { *p = f2bf(v); }
+
+__device__ __forceinline__ uint4 gemm_lds(unsigned addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "r"(addr));
+    return r;
+}
+
+// Shared memory of one warp: GEMM_STAGES stages of a chunk, each (2 + NT) x 32 lanes x 16
+// bytes (weight rows lo, hi, then A's n8 tiles), lane-major so each lane's 16 bytes are
+// contiguous with its neighbours' (conflict-free).
+#define GEMM_STAGES 4
+template <int NT>
+struct GemmCfg {
+    static constexpr int SLOTS = 2 + NT;
+    static constexpr int STAGE_BYTES = SLOTS * 32 * 16;
+    static constexpr int WARP_BYTES = GEMM_STAGES * STAGE_BYTES;
+};
+
+template <int NT, class T>
+__device__ __forceinline__ void gemm_skinny(const __nv_bfloat16* __restrict__ a,
+                                            const __nv_bfloat16* __restrict__ w, T* __restrict__ c,
+                                            int m, int n, int k, long long lda, long long ldw,
+                                            long long ldc, int accumulate) {
+    typedef GemmCfg<NT> C;
+    extern __shared__ __align__(16) unsigned char gemm_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const long long row0 = (long long)blockIdx.x * 16;
+    const int chunks = k >> 5;
+    const int c_begin = (int)((long long)chunks * warp / warps);
+    const int c_end = (int)((long long)chunks * (warp + 1) / warps);
+    const long long rlo = row0 + g < n ? row0 + g : 0, rhi = row0 + g + 8 < n ? row0 + g + 8 : 0;
+    const __nv_bfloat16* src[2 + NT];
+    src[0] = w + rlo * ldw + 8 * q;
+    src[1] = w + rhi * ldw + 8 * q;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int t = 8 * j + g;
+        src[2 + j] = a + (t < m ? (long long)t * lda : 0) + 8 * q;
+    }
+    const unsigned base = df_smem_u32(gemm_smem) + warp * C::WARP_BYTES + lane * 16;
+    // Chunk `ch` into stage `ch % GEMM_STAGES` (or nothing past the warp's range); one
+    // commit group per call either way, so wait_group counts stay aligned.
+    auto issue = [&](int ch) {
+        if (ch < c_end) {
+            const unsigned st = base + (ch % GEMM_STAGES) * C::STAGE_BYTES;
+            const long long off = (long long)ch * 32;
+#pragma unroll
+            for (int s = 0; s < C::SLOTS; ++s) df_cp_async16(st + s * 512, src[s] + off, true);
+        }
+        df_cp_commit();
+    };
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; ++s) issue(c_begin + s);
+    for (int ch = c_begin; ch < c_end; ++ch) {
+        issue(ch + GEMM_STAGES - 1);
+        df_cp_wait<GEMM_STAGES - 1>();  // this lane's copies of chunk ch have landed
+        const unsigned st = base + (ch % GEMM_STAGES) * C::STAGE_BYTES;
+        const uint4 lo = gemm_lds(st), hi = gemm_lds(st + 512);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const uint4 b = gemm_lds(st + (2 + j) * 512);
+            df_mma_bf16(acc[j], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+            df_mma_bf16(acc[j], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+        }
+    }
+    df_cp_wait<0>();
+    __syncthreads();  // every warp's pipeline is drained: its shared memory is reused below
+
+    float* red = reinterpret_cast<float*>(gemm_smem);  // [warp][NT * 4][32]
+    float* mine = red + warp * (NT * 4 * 32);
+#pragma unroll
+    for (int r = 0; r < NT * 4; ++r) mine[r * 32 + lane] = acc[r / 4][r % 4];
+    __syncthreads();
+    for (int e = threadIdx.x; e < NT * 4 * 32; e += blockDim.x) {
+        float s = red[e];
+        for (int wi = 1; wi < warps; ++wi) s += red[wi * (NT * 4 * 32) + e];
+        const int r = e >> 5, l = e & 31;
+        const int j = r >> 2, reg = r & 3;
+        const long long row = row0 + (l >> 2) + (reg >= 2 ? 8 : 0);
+        const int tok = 8 * j + 2 * (l & 3) + (reg & 1);
+        if (row < n && tok < m) {
+            T* out = c + (long long)tok * ldc + row;
+            if (accumulate) s += gemm_load_out(out);
+            gemm_store_out(out, s);
+        }
+    }
+}
+
+#define GEMM_ENTRY(NAME, NT, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMM_WARPS_CAP(NT) * 32) NAME(                 \
+        const __nv_bfloat16* a, const __nv_bfloat16* w, T* c, int m, int n, int k,             \
+        long long lda, long long ldw, long long ldc, int accumulate) {                         \
+        gemm_skinny<NT, T>(a, w, c, m, n, k, lda, ldw, ldc, accumulate);                      \
+    }
+
+GEMM_ENTRY(gemm_skinny_nt1_f32, 1, float)
+GEMM_ENTRY(gemm_skinny_nt2_f32, 2, float)
+GEMM_ENTRY(gemm_skinny_nt4_f32, 4, float)
+GEMM_ENTRY(gemm_skinny_nt8_f32, 8, float)
+GEMM_ENTRY(gemm_skinny_nt1_bf16, 1, __nv_bfloat16)
+GEMM_ENTRY(gemm_skinny_nt2_bf16, 2, __nv_bfloat16)
+GEMM_ENTRY(gemm_skinny_nt4_bf16, 4, __nv_bfloat16)
+GEMM_ENTRY(gemm_skinny_nt8_bf16, 8, __nv_bfloat16)
