@@ -708,8 +708,8 @@ impl CudaBackend {
 
     /// Function `name` of `module` prepared for blocks of `threads` threads using
     /// `dyn_smem` bytes of dynamic shared memory (cached): refuses a size above the device's
-    /// opt-in limit, raises the function's limit when above 48 KiB, and reports how many such
-    /// blocks fit on one SM.
+    /// opt-in limit, raises the function's limit to the largest size it was prepared for, and
+    /// reports how many such blocks fit on one SM.
     pub(crate) fn kernel(
         &self,
         module: &'static str,
@@ -746,10 +746,18 @@ impl CudaBackend {
             });
         }
         let func = self.function_for(module, arch, source, name)?;
+        // The limit is the function's, shared by every size it was prepared for: never lower
+        // it below a size prepared before (whose launches would then fail).
+        let limit = self
+            .lock_kernels(module)?
+            .keys()
+            .filter(|(m, n, _)| *m == module && *n == name)
+            .map(|&(_, _, s)| s)
+            .fold(dyn_smem, usize::max);
         use cudarc::driver::sys::CUfunction_attribute_enum as F;
         func.set_attribute(
             F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            i32::try_from(dyn_smem).unwrap_or(i32::MAX),
+            i32::try_from(limit).unwrap_or(i32::MAX),
         )
         .map_err(cuda_err(format!(
             "raising the shared memory limit of {name}"
