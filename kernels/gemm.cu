@@ -45,10 +45,11 @@ __device__ __forceinline__ uint4 gemm_lds(unsigned addr) {
 // lanes x 16 bytes (weight rows lo, hi of each row group, then A's n8 tiles), lane-major so
 // each lane's 16 bytes are contiguous with its neighbours' (conflict-free).
 #define GEMM_STAGES 4
+#define GEMM_SUB 1  // 32-element sub-chunks a chunk (stage): the reduction axis in 32 GEMM_SUB steps
 template <int NT, int RG>
 struct GemmCfg {
     static constexpr int SLOTS = 2 * RG + NT;
-    static constexpr int STAGE_BYTES = SLOTS * 32 * 16;
+    static constexpr int STAGE_BYTES = GEMM_SUB * SLOTS * 32 * 16;
     static constexpr int WARP_BYTES = GEMM_STAGES * STAGE_BYTES;
 };
 
@@ -62,7 +63,7 @@ __device__ __forceinline__ void gemm_skinny(const __nv_bfloat16* __restrict__ a,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, q = lane & 3;
     const long long row0 = (long long)blockIdx.x * (16 * RG);
-    const int chunks = k >> 5;
+    const int chunks = k / (32 * GEMM_SUB);
     // This warp's chunks: warp, warp + warps, ... (the block's warps read neighbouring
     // chunks of its rows at the same time).
     const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;
@@ -83,9 +84,12 @@ __device__ __forceinline__ void gemm_skinny(const __nv_bfloat16* __restrict__ a,
     auto issue = [&](int i) {
         if (i < mine) {
             const unsigned st = base + (i % GEMM_STAGES) * C::STAGE_BYTES;
-            const long long off = (long long)(warp + i * warps) * 32;
+            const long long off = (long long)(warp + i * warps) * (32 * GEMM_SUB);
 #pragma unroll
-            for (int s = 0; s < C::SLOTS; ++s) df_cp_async16(st + s * 512, src[s] + off, true);
+            for (int u = 0; u < GEMM_SUB; ++u)
+#pragma unroll
+                for (int s = 0; s < C::SLOTS; ++s)
+                    df_cp_async16(st + (u * C::SLOTS + s) * 512, src[s] + off + 32 * u, true);
         }
         df_cp_commit();
     };
@@ -99,7 +103,9 @@ __device__ __forceinline__ void gemm_skinny(const __nv_bfloat16* __restrict__ a,
     for (int i = 0; i < mine; ++i) {
         issue(i + GEMM_STAGES - 1);
         df_cp_wait<GEMM_STAGES - 1>();  // this lane's copies of chunk i have landed
-        const unsigned st = base + (i % GEMM_STAGES) * C::STAGE_BYTES;
+#pragma unroll
+        for (int u = 0; u < GEMM_SUB; ++u) {
+        const unsigned st = base + (i % GEMM_STAGES) * C::STAGE_BYTES + u * C::SLOTS * 512;
         uint4 b[NT];
 #pragma unroll
         for (int j = 0; j < NT; ++j) b[j] = gemm_lds(st + (2 * RG + j) * 512);
@@ -111,6 +117,7 @@ __device__ __forceinline__ void gemm_skinny(const __nv_bfloat16* __restrict__ a,
                 df_mma_bf16(acc[r][j], lo.x, hi.x, lo.y, hi.y, b[j].x, b[j].y);
                 df_mma_bf16(acc[r][j], lo.z, hi.z, lo.w, hi.w, b[j].z, b[j].w);
             }
+        }
         }
     }
     df_cp_wait<0>();

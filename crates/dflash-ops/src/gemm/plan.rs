@@ -13,6 +13,10 @@ pub(crate) fn max_warps(groups: usize, tiles: usize) -> usize {
 /// Stages of a warp's cp.async ring (`GEMM_STAGES` of the kernel).
 const STAGES: usize = 4;
 
+/// 32-element sub-chunks a stage holds (`GEMM_SUB` of the kernel): the reduction axis goes
+/// in steps of `32 * SUB`.
+const SUB: usize = 1;
+
 /// How the skinny kernel runs one product: which entry, how many blocks and warps per block,
 /// and the dynamic shared memory of a block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,7 +53,12 @@ pub(crate) fn skinny_plan(
     (sm_count, smem_optin): (usize, usize),
 ) -> Option<SkinnyPlan> {
     let aligned = |addr: u64, ld: usize| addr.is_multiple_of(16) && ld.is_multiple_of(8);
-    if m == 0 || m > SKINNY_MAX_M || !k.is_multiple_of(32) || !aligned(a, lda) || !aligned(w, ldw) {
+    if m == 0
+        || m > SKINNY_MAX_M
+        || !k.is_multiple_of(32 * SUB)
+        || !aligned(a, lda)
+        || !aligned(w, ldw)
+    {
         return None;
     }
     let tiles = m.div_ceil(8).next_power_of_two();
@@ -58,13 +67,16 @@ pub(crate) fn skinny_plan(
         .find(|&rg| n.div_ceil(16 * rg) >= sm_count)
         .unwrap_or(1);
     let blocks = n.div_ceil(16 * groups);
-    let warp_bytes = STAGES * (2 * groups + tiles) * 32 * 16;
+    let warp_bytes = STAGES * SUB * (2 * groups + tiles) * 32 * 16;
     let wanted = if blocks * 8 < sm_count * 16 {
         max_warps(groups, tiles)
     } else {
         8
     };
-    let warps = wanted.min(smem_optin / warp_bytes).min(k / 32).max(1);
+    let warps = wanted
+        .min(smem_optin / warp_bytes)
+        .min(k / (32 * SUB))
+        .max(1);
     Some(SkinnyPlan {
         groups_log2: groups.trailing_zeros() as usize,
         tiles_log2: tiles.trailing_zeros() as usize,
