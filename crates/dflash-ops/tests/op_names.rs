@@ -1,8 +1,9 @@
 //! One op, one name: every op of [`dflash_ops::OPS`] is its Rust module (`src/<op>/mod.rs`,
 //! whose `OP` is the same string). An op with a kernel of its own also has `kernels/<op>.cu`,
 //! which its launcher `src/<op>/cuda.rs` compiles and whose entry points are prefixed `<op>_`;
-//! an op without one (`gemm` calls cuBLAS) is named by its module alone. Every kernel file is
-//! named after an op. Entry points whose names a macro builds are not read here.
+//! an op without one (`feature_projection` calls the gemm helper) is named by its module
+//! alone. Every kernel file is named after an op. Entry points whose names a macro builds are
+//! not read here.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -460,7 +460,7 @@ impl GemmRow {
 const GEMM_ROWS: [usize; 5] = [8, 16, 32, 64, 128];
 
 /// Every distinct layer weight shape of draft `d` (`[n, k]`, the checkpoint's layout) at each
-/// of [`GEMM_ROWS`]: `gemm` (the backend's choice: the skinny kernel up to 64 rows) and
+/// of [`GEMM_ROWS`]: `gemm` (the backend's choice, see `gemm::plan`) and
 /// `cublas_gemm` (cuBLAS alone) in the same run. Each graph rotates over copies of the weight
 /// whose total exceeds the L2 cache. Floor: weight + A + C bytes / 4.1 TB/s.
 fn bench_gemm(cuda: &CudaBackend, d: &Draft, inter: usize) -> Result<Vec<GemmRow>> {
@@ -1036,8 +1036,9 @@ fn main() -> Result<()> {
             "# Performance report: the draft's layer GEMMs\n\n- date: {}\n- GPU: {} ({}), driver {}\n\
              - commit: {commit}\n- command: `{}`\n- time: CUDA events around CUDA-graph replays \
              (each graph rotates over copies of the weight larger than the L2 cache), median of 7\n\
-             - `gemm`: the backend's choice (the skinny kernel of kernels/gemm.cu for m <= 64, \
-             cuBLAS above); `cublas_gemm`: cuBLAS alone; TB/s: weight + A + C bytes / time; \
+             - `gemm`: the backend's choice (the skinny kernel of kernels/gemm.cu where \
+             gemm::plan takes the product: m <= 16 and n <= 2048, cuBLAS elsewhere); \
+             `cublas_gemm`: cuBLAS alone; TB/s: weight + A + C bytes / time; \
              floor: those bytes / 4.1 TB/s\n",
             utc_now(),
             info.name,

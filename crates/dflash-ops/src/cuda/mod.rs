@@ -61,8 +61,9 @@ pub enum KernelVariants {
 /// multiplies by a weight).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GemmKernels {
-    /// The `gemm` op's own kernel for products of at most 64 rows whose operands it takes
-    /// (see `crates/dflash-ops/src/gemm/mod.rs`), cuBLAS for every other product.
+    /// The `gemm` op's own kernel for the products its plan takes (at most 16 rows on a
+    /// weight of at most 2048 rows, see `crates/dflash-ops/src/gemm/mod.rs`), cuBLAS for
+    /// every other product.
     #[default]
     Auto,
     /// cuBLAS for every product (the plain-cuBLAS reference of the benchmarks).
@@ -809,7 +810,7 @@ impl CudaBackend {
         self.inner.sm90a
     }
 
-    /// Whether GEMMs of at most 64 rows may use the `gemm` op's own kernel
+    /// Whether GEMMs may use the `gemm` op's own kernel
     /// ([`GemmKernels::Auto`]); otherwise every GEMM is a cuBLAS call.
     pub fn uses_own_gemm(&self) -> bool {
         self.inner

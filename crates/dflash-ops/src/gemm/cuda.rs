@@ -1,5 +1,5 @@
-//! CUDA path of `gemm`: the skinny kernel of `kernels/gemm.cu` for products of at most
-//! `SKINNY_MAX_M` rows whose operands it takes (`plan::skinny_plan`), one `cublasGemmEx` (BF16
+//! CUDA path of `gemm`: the skinny kernel of `kernels/gemm.cu` for the few-row products on
+//! small weights its plan takes (`plan::skinny_plan`), one `cublasGemmEx` (BF16
 //! inputs, FP32 compute) otherwise, and the crate-wide device GEMM helper
 //! [`gemm_bf16_device`] that other launchers call on slices or views.
 
@@ -22,44 +22,18 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 pub(crate) trait GemmOutElem: Element {
     /// The cuBLAS data type of the output.
     const CUDA_TYPE: sys::cudaDataType_t;
-    /// The skinny kernel's entry points, `[row groups log2][n8 tiles log2]`.
-    const SKINNY: [[&'static str; 4]; 3];
-}
-
-/// The entry names of one output type (`$t`: `f32` or `bf16`).
-macro_rules! skinny_entries {
-    ($t:literal) => {
-        [
-            [
-                concat!("gemm_skinny_rg1_nt1_", $t),
-                concat!("gemm_skinny_rg1_nt2_", $t),
-                concat!("gemm_skinny_rg1_nt4_", $t),
-                concat!("gemm_skinny_rg1_nt8_", $t),
-            ],
-            [
-                concat!("gemm_skinny_rg2_nt1_", $t),
-                concat!("gemm_skinny_rg2_nt2_", $t),
-                concat!("gemm_skinny_rg2_nt4_", $t),
-                concat!("gemm_skinny_rg2_nt8_", $t),
-            ],
-            [
-                concat!("gemm_skinny_rg4_nt1_", $t),
-                concat!("gemm_skinny_rg4_nt2_", $t),
-                concat!("gemm_skinny_rg4_nt4_", $t),
-                concat!("gemm_skinny_rg4_nt8_", $t),
-            ],
-        ]
-    };
+    /// The skinny kernel's entry points for 1 and 2 n8 tiles of A's rows.
+    const SKINNY: [&'static str; 2];
 }
 
 impl GemmOutElem for f32 {
     const CUDA_TYPE: sys::cudaDataType_t = sys::cudaDataType_t::CUDA_R_32F;
-    const SKINNY: [[&'static str; 4]; 3] = skinny_entries!("f32");
+    const SKINNY: [&'static str; 2] = ["gemm_skinny_nt1_f32", "gemm_skinny_nt2_f32"];
 }
 
 impl GemmOutElem for bf16 {
     const CUDA_TYPE: sys::cudaDataType_t = sys::cudaDataType_t::CUDA_R_16BF;
-    const SKINNY: [[&'static str; 4]; 3] = skinny_entries!("bf16");
+    const SKINNY: [&'static str; 2] = ["gemm_skinny_nt1_bf16", "gemm_skinny_nt2_bf16"];
 }
 
 /// Shape and strides of one device GEMM `C[i, j] (+)= sum_l A[i, l] * W[j, l]`, row-major:
@@ -203,7 +177,7 @@ where
             (g.m, g.n, g.k),
             (a_ptr, g.lda),
             (w_ptr, g.ldw),
-            (c.limits().sm_count, c.limits().smem_per_block_optin),
+            c.limits().smem_per_block_optin,
         )
     {
         return launch_skinny::<T>(c, op, (a_ptr, w_ptr, c_ptr), g, &plan);
@@ -257,14 +231,14 @@ fn launch_skinny<T: GemmOutElem>(
     g: &DeviceGemm,
     plan: &SkinnyPlan,
 ) -> Result<()> {
-    let name = T::SKINNY[plan.groups_log2][plan.tiles_log2];
+    let name = T::SKINNY[plan.tiles_log2];
     let threads = (plan.warps * 32) as u32;
     // Checked for blocks of the most warps (the strictest occupancy) at this ring size.
     let k = c.kernel(
         OP,
         SOURCE,
         name,
-        (super::plan::max_warps(1 << plan.groups_log2, 1 << plan.tiles_log2) * 32) as u32,
+        (super::plan::MAX_WARPS * 32) as u32,
         plan.smem,
     )?;
     let dim = |v: usize, what: &'static str| as_c_int(op, what, v);
@@ -296,7 +270,7 @@ fn launch_skinny<T: GemmOutElem>(
     // dimensions and strides imply, and `skinny_plan` that A and W rows are 16-byte aligned
     // and k a multiple of 32 (the kernel's 16-byte loads never pass a row's k-th element);
     // the shared memory is the warps' cp.async rings (`GemmCfg::WARP_BYTES` each), which the
-    // reduction's `[warps][RG][NT][4][32]` floats reuse.
+    // reduction's `[warps][NT][4][32]` floats reuse.
     unsafe { c.launch_ex(&k.func, cfg, &mut args, name, false, 1) }
 }
 

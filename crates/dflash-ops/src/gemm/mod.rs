@@ -25,6 +25,16 @@
 //! Device helper. `gemm::cuda::gemm_bf16_device` (crate-private, feature `cuda`) queues the
 //! same product on any device slices or views with explicit row strides and an optional
 //! accumulate (`beta = 1`), for the launchers of the other ops.
+//!
+//! CUDA. Two implementations, chosen per product by `gemm::plan::skinny_plan` from its shape
+//! and operand addresses (so a shape always takes the same one): the skinny kernel of
+//! `kernels/gemm.cu` for at most 16 rows on a weight of at most 2048 rows (k a multiple of 32,
+//! A and W rows 16-byte aligned): a block per 16 weight rows, its warps splitting the reduction
+//! in interleaved 32-element chunks through per-warp cp.async rings, mma.sync with FP32
+//! accumulation, the warps' partial sums added in warp order (deterministic), one rounding at
+//! the store; and cuBLAS (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`) for every other product, or
+//! every product under `CudaOptions { gemm: GemmKernels::Cublas }`. The rule is the measured
+//! one of `plan.rs`. Both keep the comparison above (FP32 accumulation of BF16 products).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -357,9 +367,10 @@ strided_device!(f32);
 #[cfg(any(test, feature = "conformance"))]
 strided_device!(bf16);
 
-/// Conformance cases. On CUDA, products of at most 64 rows with `k % 32 == 0` take the
-/// skinny kernel (every n8-tile count: m 1, 8, 16, 24 -> 4 tiles, 64; n not a multiple of 16;
-/// strides and accumulate), the rest cuBLAS (k 33, m 128).
+/// Conformance cases. On CUDA, the products `gemm::plan` gives the skinny kernel (m <= 16,
+/// n <= 2048, k % 32 == 0, 16-byte aligned rows: both n8-tile counts, n not a multiple of 16,
+/// fewer chunks than warps, strides and accumulate, the drafts' B = 1 shapes), and around them
+/// cuBLAS (k 33, m 24 / 64 / 128, n 4096 / 6144 / 17408, an odd stride).
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     let strided = |m, n, k, pad, accumulate| Strided {
@@ -377,6 +388,22 @@ pub(crate) fn cases() -> Vec<Case> {
         Case::new(OP, "m24_n333_k96_bf16", case(24, 333, 96, 9, true)),
         Case::new(OP, "m64_n520_k4096_bf16", case(64, 520, 4096, 10, true)),
         Case::new(OP, "m5_n40_k64_f32", case(5, 40, 64, 11, false)),
+        Case::new(OP, "m13_n2048_k96_bf16", case(13, 2048, 96, 18, true)),
+        Case::new(
+            OP,
+            "m16_n1024_k2048_f32_35b_k",
+            case(16, 1024, 2048, 19, false),
+        ),
+        Case::new(
+            OP,
+            "m16_n2048_k6144_bf16_35b_down",
+            case(16, 2048, 6144, 20, true),
+        ),
+        Case::new(
+            OP,
+            "m8_n1024_k5120_bf16_27b_v",
+            case(8, 1024, 5120, 21, true),
+        ),
         Case::new(
             OP,
             "strided_m16_n100_k256_pad8_f32",

@@ -203,62 +203,48 @@ fn reference_is_independent_of_the_worker_count() {
     }
 }
 
-/// The skinny kernel's plan: which products it takes, with which entry, how many row groups
-/// a block and how many warps.
+/// The skinny kernel's plan: which products it takes, with which entry and how many warps.
 #[test]
-fn skinny_plan_takes_aligned_products_of_at_most_64_rows() {
-    use super::plan::{SKINNY_MAX_M, SkinnyPlan, skinny_plan};
-    let dev = (132, 232_448); // H200: SMs, shared memory a block may use
-    let plan = |m, n, k, a, lda, w, ldw| skinny_plan((m, n, k), (a, lda), (w, ldw), dev);
+fn skinny_plan_takes_aligned_products_of_few_rows_on_small_weights() {
+    use super::plan::{SKINNY_MAX_M, SKINNY_MAX_N, SkinnyPlan, skinny_plan, warp_bytes};
+    let optin = 232_448; // H200: shared memory a block may use
+    let plan = |m, n, k, a, lda, w, ldw| skinny_plan((m, n, k), (a, lda), (w, ldw), optin);
     let taken = |m, n, k| plan(m, n, k, 0, k, 0, k).expect("taken by the skinny kernel");
-    // Refused: no rows, too many rows, k not a multiple of 32, misaligned address or stride.
+    // Refused: no rows, too many rows, too many weight rows, k not a multiple of 32,
+    // misaligned address or stride.
     assert_eq!(plan(0, 64, 64, 0, 64, 0, 64), None);
     assert_eq!(plan(SKINNY_MAX_M + 1, 64, 64, 0, 64, 0, 64), None);
+    assert_eq!(plan(16, SKINNY_MAX_N + 1, 64, 0, 64, 0, 64), None);
     assert_eq!(plan(16, 64, 48, 0, 48, 0, 48), None);
     assert_eq!(plan(16, 64, 64, 8, 64, 0, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 64, 2, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 68, 0, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 64, 0, 76), None);
-    // Entries by n8 tiles: m 1..8 -> 1 tile, 9..16 -> 2, 17..32 -> 4, 33..64 -> 8.
-    for (m, log2) in [
-        (1, 0),
-        (8, 0),
-        (9, 1),
-        (16, 1),
-        (17, 2),
-        (32, 2),
-        (33, 3),
-        (64, 3),
-    ] {
-        let p = plan(m, 6144, 2048, 256, 2048, 4096, 2048).expect("aligned, m <= 64");
+    // Entries by n8 tiles: m 1..8 -> 1 tile, 9..16 -> 2.
+    for (m, log2) in [(1, 0), (8, 0), (9, 1), (16, 1)] {
+        let p = plan(m, 2048, 2048, 256, 2048, 4096, 2048).expect("aligned, m <= 16");
         assert_eq!(p.tiles_log2, log2, "m = {m}");
     }
-    // Row groups: the most that still give each of the 132 SMs a block.
-    assert_eq!(taken(16, 17408, 5120).groups_log2, 2); // 272 blocks of 64 rows
-    assert_eq!(taken(16, 6144, 2048).groups_log2, 1); // 192 blocks of 32 rows (96 of 64)
-    assert_eq!(taken(16, 4096, 5120).groups_log2, 0); // 128 blocks of 32 rows: too few
-    assert_eq!(taken(16, 100, 64).groups_log2, 0);
-    // Small weights get 16 warps a block, large ones 8; a ring is 4 stages of (2 RG + NT)
-    // slots of 512 bytes a warp; a block per 16 RG rows, rounding up.
+    // A block per 16 weight rows (rounding up), 16 warps where the reduction axis has 16
+    // chunks, each warp a 4-stage ring of 2 + NT slots of 512 bytes.
     assert_eq!(
         taken(16, 1024, 2048),
         SkinnyPlan {
-            groups_log2: 0,
             tiles_log2: 1,
             blocks: 64,
             warps: 16,
             smem: 16 * 4 * 4 * 512,
         }
     );
-    let big = taken(16, 34816, 5120);
-    assert_eq!(
-        (big.blocks, big.warps, big.smem),
-        (544, 8, 8 * 4 * 10 * 512)
-    );
-    // Never more warps than rings fit in the block's shared memory, nor than chunks.
-    let wide = taken(64, 17408, 5120); // 4 groups, 8 tiles: 32 KiB a warp
-    assert_eq!(wide.warps, 232_448 / (4 * 16 * 512));
-    assert!(wide.smem <= 232_448);
-    assert_eq!(taken(16, 1000, 96).warps, 3);
+    assert_eq!(warp_bytes(1), 4 * 3 * 512);
     assert_eq!(taken(16, 1001, 2048).blocks, 63);
+    // Never more warps than chunks, nor than rings fit in the block's shared memory; none
+    // when not one fits.
+    assert_eq!(taken(16, 1000, 96).warps, 3);
+    let small = skinny_plan((16, 1024, 2048), (0, 2048), (0, 2048), 100 * 1024).expect("fits");
+    assert_eq!(small.warps, 100 * 1024 / (4 * 4 * 512));
+    assert_eq!(
+        skinny_plan((16, 1024, 2048), (0, 2048), (0, 2048), 1024),
+        None
+    );
 }
