@@ -51,7 +51,7 @@ use half::bf16;
 #[cfg(any(test, feature = "conformance"))]
 use crate::Element;
 #[cfg(any(test, feature = "conformance"))]
-use crate::registry::{Case, CaseRun, Criterion, InputCheck, output};
+use crate::registry::{Case, CaseOutput, CaseRun, Criterion, InputCheck, output};
 use crate::{Backend, Buffer, Result, check_len, check_param};
 
 /// Registry id.
@@ -193,18 +193,37 @@ fn case(
                 |_| true,
             )
         };
-        let mut modified = Vec::new();
-        inputs.verify(be, "a", &ab, &mut modified)?;
-        inputs.verify(be, "w", &wb, &mut modified)?;
-        Ok(CaseRun {
-            outputs: vec![out],
-            modified_inputs: modified,
-        })
+        case_run(be, &inputs, (&ab, &wb), out)
     }
 }
 
-/// An output element a strided case rounds its f64 oracle to (once).
+/// A case's result: its output, and which of the inputs `a`, `w` the run modified.
 #[cfg(any(test, feature = "conformance"))]
+fn case_run(
+    be: &Backend,
+    inputs: &InputCheck,
+    (a, w): (&Buffer<bf16>, &Buffer<bf16>),
+    out: CaseOutput,
+) -> Result<CaseRun> {
+    let mut modified = Vec::new();
+    inputs.verify(be, "a", a, &mut modified)?;
+    inputs.verify(be, "w", w, &mut modified)?;
+    Ok(CaseRun {
+        outputs: vec![out],
+        modified_inputs: modified,
+    })
+}
+
+/// An output element a strided case rounds its f64 oracle to (once); with CUDA, one the
+/// device helper writes.
+#[cfg(all(any(test, feature = "conformance"), feature = "cuda"))]
+pub(crate) trait RoundedOut: cuda::GemmOutElem {
+    /// The f64 value rounded once to this type (RNE).
+    fn round(v: f64) -> Self;
+}
+
+/// An output element a strided case rounds its f64 oracle to (once).
+#[cfg(all(any(test, feature = "conformance"), not(feature = "cuda")))]
 pub(crate) trait RoundedOut: Element {
     /// The f64 value rounded once to this type (RNE).
     fn round(v: f64) -> Self;
@@ -240,8 +259,7 @@ pub(crate) struct Strided {
 /// on the CPU the f64 sum (plus the old element) rounded once; the padding of every row of
 /// C must keep its bits.
 #[cfg(any(test, feature = "conformance"))]
-#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
-fn strided_case<T: RoundedOut + StridedDevice>(
+fn strided_case<T: RoundedOut>(
     s: Strided,
     seed: u64,
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
@@ -297,11 +315,12 @@ fn strided_case<T: RoundedOut + StridedDevice>(
                 }
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => T::device_gemm(
+            Backend::Cuda(c) => cuda::gemm_bf16_device(
                 c,
-                &ab,
-                &wb,
-                &mut out,
+                OP,
+                ab.device(OP, "a")?,
+                wb.device(OP, "w")?,
+                out.device_mut(OP, "out")?,
                 &cuda::DeviceGemm {
                     m,
                     n,
@@ -314,58 +333,9 @@ fn strided_case<T: RoundedOut + StridedDevice>(
             )?,
         }
         let out = output("out", crit, &before, &be.download(&out)?, written);
-        let mut modified = Vec::new();
-        inputs.verify(be, "a", &ab, &mut modified)?;
-        inputs.verify(be, "w", &wb, &mut modified)?;
-        Ok(CaseRun {
-            outputs: vec![out],
-            modified_inputs: modified,
-        })
+        case_run(be, &inputs, (&ab, &wb), out)
     }
 }
-
-/// The device helper on whole buffers, for [`strided_case`].
-#[cfg(any(test, feature = "conformance"))]
-pub(crate) trait StridedDevice: Element {
-    /// `gemm_bf16_device` with this output type.
-    #[cfg(feature = "cuda")]
-    fn device_gemm(
-        c: &crate::cuda::CudaBackend,
-        a: &Buffer<bf16>,
-        w: &Buffer<bf16>,
-        out: &mut Buffer<Self>,
-        g: &cuda::DeviceGemm,
-    ) -> Result<()>;
-}
-
-#[cfg(any(test, feature = "conformance"))]
-macro_rules! strided_device {
-    ($t:ty) => {
-        impl StridedDevice for $t {
-            #[cfg(feature = "cuda")]
-            fn device_gemm(
-                c: &crate::cuda::CudaBackend,
-                a: &Buffer<bf16>,
-                w: &Buffer<bf16>,
-                out: &mut Buffer<Self>,
-                g: &cuda::DeviceGemm,
-            ) -> Result<()> {
-                cuda::gemm_bf16_device(
-                    c,
-                    OP,
-                    a.device(OP, "a")?,
-                    w.device(OP, "w")?,
-                    out.device_mut(OP, "out")?,
-                    g,
-                )
-            }
-        }
-    };
-}
-#[cfg(any(test, feature = "conformance"))]
-strided_device!(f32);
-#[cfg(any(test, feature = "conformance"))]
-strided_device!(bf16);
 
 /// Conformance cases. On CUDA, the products `gemm::plan` gives the skinny kernel (m <= 16,
 /// n <= 2048, k % 32 == 0, 16-byte aligned rows: both n8-tile counts, n not a multiple of 16,
