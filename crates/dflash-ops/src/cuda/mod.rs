@@ -747,10 +747,15 @@ impl CudaBackend {
             });
         }
         let func = self.function_for(module, arch, source, name)?;
-        // The limit is the function's, shared by every size it was prepared for: never lower
-        // it below a size prepared before (whose launches would then fail).
-        let limit = self
-            .lock_kernels(module)?
+        // One guard from here to the insert: the limit is the function's, shared by every
+        // size it was prepared for, so it is raised to the largest of them and never lowered
+        // (a launch of a larger size prepared before would fail), also when two threads
+        // prepare sizes of one function at once.
+        let mut cache = self.lock_kernels(module)?;
+        if let Some(k) = cache.get(&key) {
+            return Ok(k.clone());
+        }
+        let limit = cache
             .keys()
             .filter(|(m, n, _)| *m == module && *n == name)
             .map(|&(_, _, s)| s)
@@ -778,7 +783,7 @@ impl CudaBackend {
             func,
             blocks_per_sm: blocks as usize,
         };
-        self.lock_kernels(module)?.insert(key, k.clone());
+        cache.insert(key, k.clone());
         Ok(k)
     }
 
