@@ -180,7 +180,7 @@ where
             c.limits().smem_per_block_optin,
         )
     {
-        return launch_skinny::<T>(c, op, (a_ptr, w_ptr, c_ptr), g, &plan);
+        return launch_skinny::<T>(c, (a_ptr, w_ptr, c_ptr), (m, n, k), g, &plan);
     }
     let blas = c.blas()?;
     let alpha: f32 = 1.0;
@@ -223,55 +223,51 @@ where
 }
 
 /// Queue the skinny kernel for a product [`gemm_bf16_device`] checked, at device addresses
-/// `(a, w, c)`.
+/// `(a, w, c)`, with its dimensions as the kernel's ints.
 fn launch_skinny<T: GemmOutElem>(
     c: &CudaBackend,
-    op: &'static str,
     (a, w, out): (u64, u64, u64),
+    (m, n, k): (i32, i32, i32),
     g: &DeviceGemm,
     plan: &SkinnyPlan,
 ) -> Result<()> {
     let name = T::SKINNY[plan.tiles_log2];
-    let threads = (plan.warps * 32) as u32;
     // Checked for blocks of the most warps (the strictest occupancy) at this ring size.
-    let k = c.kernel(
+    let kernel = c.kernel(
         OP,
         SOURCE,
         name,
         (super::plan::MAX_WARPS * 32) as u32,
         plan.smem,
     )?;
-    let dim = |v: usize, what: &'static str| as_c_int(op, what, v);
-    let blocks = u32::try_from(plan.blocks).map_err(|_| OpsError::Param {
-        op,
-        param: "n",
-        expected: "at most 2^36 weight rows".into(),
-        found: g.n.to_string(),
-    })?;
     let mut args = [
         RawArg::Ptr(a),
         RawArg::Ptr(w),
         RawArg::Ptr(out),
-        RawArg::I32(dim(g.m, "m")?),
-        RawArg::I32(dim(g.n, "n")?),
-        RawArg::I32(dim(g.k, "k")?),
+        RawArg::I32(m),
+        RawArg::I32(n),
+        RawArg::I32(k),
         RawArg::I64(g.lda as i64),
         RawArg::I64(g.ldw as i64),
         RawArg::I64(g.ldc as i64),
         RawArg::I32(i32::from(g.accumulate)),
     ];
+    // The plan bounds every size: at most 128 blocks (n <= 2048) of at most 16 warps, and a
+    // ring no larger than the device's opt-in shared memory.
     let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (threads, 1, 1),
+        grid_dim: (plan.blocks as u32, 1, 1),
+        block_dim: ((plan.warps * 32) as u32, 1, 1),
         shared_mem_bytes: plan.smem as u32,
     };
     // SAFETY: the arguments match the entry's parameters (three pointers, three ints, three
     // long longs, an int); `gemm_bf16_device` checked that every operand holds the span its
-    // dimensions and strides imply, and `skinny_plan` that A and W rows are 16-byte aligned
-    // and k a multiple of 32 (the kernel's 16-byte loads never pass a row's k-th element);
-    // the shared memory is the warps' cp.async rings (`GemmCfg::WARP_BYTES` each), which the
-    // reduction's `[warps][NT][4][32]` floats reuse.
-    unsafe { c.launch_ex(&k.func, cfg, &mut args, name, false, 1) }
+    // dimensions and strides imply and that m, n >= 1 (rows past m or n are read at row 0),
+    // and `skinny_plan` that A and W rows are 16-byte aligned and k a multiple of 32 (the
+    // kernel's 16-byte loads never pass a row's k-th element); C is not aliased with A or W
+    // (the op's contract; the kernel's pointers are `__restrict__`); the shared memory is
+    // the warps' cp.async rings (`GemmCfg::WARP_BYTES` each), which the reduction's
+    // `[warps][NT][4][32]` floats reuse, within the limit `kernel` raised the entry to.
+    unsafe { c.launch_ex(&kernel.func, cfg, &mut args, name, false, 1) }
 }
 
 /// The `gemm` op on whole buffers (lengths already checked by `run_*`).

@@ -6,8 +6,9 @@
 //! Dtypes. a, w: BF16. out: F32 ([`run_f32`]) or BF16 ([`run_bf16`]).
 //! Rounding points. F32 out: the accumulated sum, unrounded beyond the accumulator (the CPU
 //!   reference rounds the f64 sum to f32 once). BF16 out: the sum rounded once, RNE.
-//! Accumulation. FP32 or wider (cuBLAS `CUBLAS_COMPUTE_32F` on CUDA); the oracle is the f64
-//!   sum of the represented inputs.
+//! Accumulation. FP32 or wider (on CUDA the skinny kernel's mma.sync FP32 accumulators, or
+//!   cuBLAS `CUBLAS_COMPUTE_32F`; see "CUDA" below); the oracle is the f64 sum of the
+//!   represented inputs.
 //! Tie-breaking. None.
 //! Masking/live extents. None: every row of A is multiplied (callers slice live rows).
 //! Caller guarantees. No aliasing between `out` and the inputs. NaN/Inf inputs propagate.
@@ -26,15 +27,17 @@
 //! same product on any device slices or views with explicit row strides and an optional
 //! accumulate (`beta = 1`), for the launchers of the other ops.
 //!
-//! CUDA. Two implementations, chosen per product by `gemm::plan::skinny_plan` from its shape
-//! and operand addresses (so a shape always takes the same one): the skinny kernel of
-//! `kernels/gemm.cu` for at most 16 rows on a weight of at most 2048 rows (k a multiple of 32,
-//! A and W rows 16-byte aligned): a block per 16 weight rows, its warps splitting the reduction
-//! in interleaved 32-element chunks through per-warp cp.async rings, mma.sync with FP32
-//! accumulation, the warps' partial sums added in warp order (deterministic), one rounding at
-//! the store; and cuBLAS (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`) for every other product, or
-//! every product under `CudaOptions { gemm: GemmKernels::Cublas }`. The rule is the measured
-//! one of `plan.rs`. Both keep the comparison above (FP32 accumulation of BF16 products).
+//! CUDA. Two implementations, chosen per product by `gemm::plan::skinny_plan` from its shape,
+//! the alignment of its operands and the device's shared memory (so the same shape at the
+//! same alignment on the same device always takes the same one, with the same bits): the
+//! skinny kernel of `kernels/gemm.cu` for at most 16 rows on a weight of at most 2048 rows
+//! (k a multiple of 32, A and W rows 16-byte aligned): a block per 16 weight rows, its warps
+//! splitting the reduction in interleaved 32-element chunks through per-warp cp.async rings,
+//! mma.sync with FP32 accumulation, the warps' partial sums added in warp order
+//! (deterministic), one rounding at the store; and cuBLAS (`cublasGemmEx`,
+//! `CUBLAS_COMPUTE_32F`) for every other product, or every product under
+//! `CudaOptions { gemm: GemmKernels::Cublas }`. The rule is the measured one of `plan.rs`.
+//! Both keep the comparison above (FP32 accumulation of BF16 products).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -257,7 +260,7 @@ pub(crate) struct Strided {
 /// The product of [`Strided`] the way the other ops' launchers call it (the crate's device
 /// helper, operands with row padding, and with `accumulate` `C += A W^T` over a random C):
 /// on the CPU the f64 sum (plus the old element) rounded once; the padding of every row of
-/// C must keep its bits.
+/// C, and one more row of C after the product's, must keep their bits.
 #[cfg(any(test, feature = "conformance"))]
 fn strided_case<T: RoundedOut>(
     s: Strided,
@@ -276,9 +279,10 @@ fn strided_case<T: RoundedOut>(
         let a = g.bf16_vec(m * lda, -2.0, 2.0);
         let wscale = 1.0 / (k as f64).sqrt();
         let w = g.bf16_vec(n * lda, -wscale, wscale);
-        let old = g.bf16_vec(m * ldc, -1.0, 1.0);
-        let written = |i: usize| i % ldc < n;
-        let before: Vec<T> = (0..m * ldc)
+        // C holds one row more than the product writes: a store past row m shows there.
+        let old = g.bf16_vec((m + 1) * ldc, -1.0, 1.0);
+        let written = |i: usize| i < m * ldc && i % ldc < n;
+        let before: Vec<T> = (0..(m + 1) * ldc)
             .map(|i| {
                 if written(i) && !accumulate {
                     T::POISON
@@ -339,8 +343,9 @@ fn strided_case<T: RoundedOut>(
 
 /// Conformance cases. On CUDA, the products `gemm::plan` gives the skinny kernel (m <= 16,
 /// n <= 2048, k % 32 == 0, 16-byte aligned rows: both n8-tile counts, n not a multiple of 16,
-/// fewer chunks than warps, strides and accumulate, the drafts' B = 1 shapes), and around them
-/// cuBLAS (k 33, m 24 / 64 / 128, n 4096 / 6144 / 17408, an odd stride).
+/// fewer chunks a warp than ring stages, strides and accumulate, the drafts' B = 1 shapes),
+/// and around them cuBLAS (k 33, m 24 / 32 / 64 / 128, n 5120 / 6144 / 17408, an odd
+/// stride); `tests::the_conformance_cases_cover_both_sides_of_the_plan` pins which is which.
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     let strided = |m, n, k, pad, accumulate| Strided {

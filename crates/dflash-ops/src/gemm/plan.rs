@@ -2,11 +2,12 @@
 //! runs it (pure arithmetic on shapes and addresses; the CUDA launcher in `cuda.rs` asks).
 //!
 //! The rule is measured, not guessed (`dflash-bench --only gemm` on the H200,
-//! `docs/performance-gemm.md`): at 8 and 16 rows the skinny kernel beats cuBLAS on weights of
-//! at most 2048 rows (the drafts' k / v projections, and the 35B-A3B's o and down
-//! projections: 1.2-2.1 us of 4-11 us each), where cuBLAS has too few tiles to spread over the
-//! SMs; on larger weights, and at more rows (where its A reads grow with m), cuBLAS is as fast
-//! or faster (up to 1.3x at 16 rows on the 27B MLP), so it keeps those.
+//! `docs/performance-gemm.md`): at 8 and 16 rows the skinny kernel beats or ties cuBLAS on
+//! weights of at most 2048 rows, where cuBLAS has too few tiles to spread over the SMs (the
+//! drafts' k / v projections: 1.0-2.2 us saved of 5.7-7.9; the 35B-A3B's o: 0.7-1.7 of 8.9;
+//! its down: 1.8 of 11.2 at 8 rows, a tie at 16); on larger weights, and at more rows (where
+//! its A reads grow with m), cuBLAS is as fast or faster (up to 1.3x at 16 rows on the 27B
+//! MLP), so it keeps those.
 
 /// The most rows of A the skinny kernel takes (2 n8 tiles).
 pub(crate) const SKINNY_MAX_M: usize = 16;
@@ -17,10 +18,13 @@ pub(crate) const SKINNY_MAX_N: usize = 2048;
 /// Warps per block at most (`GEMM_MAX_WARPS` of the kernel, its launch bound).
 pub(crate) const MAX_WARPS: usize = 16;
 
+/// Stages of a warp's cp.async ring (`GEMM_STAGES` of the kernel).
+pub(crate) const STAGES: usize = 4;
+
 /// Bytes of one warp's cp.async ring for `tiles` n8 tiles (`GemmCfg::WARP_BYTES` of the
-/// kernel: `GEMM_STAGES` = 4 stages of 2 + NT slots of 32 lanes x 16 bytes).
+/// kernel: [`STAGES`] stages of 2 + NT slots of 32 lanes x 16 bytes).
 pub(crate) fn warp_bytes(tiles: usize) -> usize {
-    4 * (2 + tiles) * 32 * 16
+    STAGES * (2 + tiles) * 32 * 16
 }
 
 /// How the skinny kernel runs one product: which entry, how many blocks and warps per block,

@@ -206,7 +206,7 @@ fn reference_is_independent_of_the_worker_count() {
 /// The skinny kernel's plan: which products it takes, with which entry and how many warps.
 #[test]
 fn skinny_plan_takes_aligned_products_of_few_rows_on_small_weights() {
-    use super::plan::{SKINNY_MAX_M, SKINNY_MAX_N, SkinnyPlan, skinny_plan, warp_bytes};
+    use super::plan::{SKINNY_MAX_M, SKINNY_MAX_N, SkinnyPlan, skinny_plan};
     let optin = 232_448; // H200: shared memory a block may use
     let plan = |m, n, k, a, lda, w, ldw| skinny_plan((m, n, k), (a, lda), (w, ldw), optin);
     let taken = |m, n, k| plan(m, n, k, 0, k, 0, k).expect("taken by the skinny kernel");
@@ -225,8 +225,8 @@ fn skinny_plan_takes_aligned_products_of_few_rows_on_small_weights() {
         let p = plan(m, 2048, 2048, 256, 2048, 4096, 2048).expect("aligned, m <= 16");
         assert_eq!(p.tiles_log2, log2, "m = {m}");
     }
-    // A block per 16 weight rows (rounding up), 16 warps where the reduction axis has 16
-    // chunks, each warp a 4-stage ring of 2 + NT slots of 512 bytes.
+    // A block per 16 weight rows (rounding up), 16 warps where the reduction axis has at
+    // least 16 chunks, each warp a 4-stage ring of 2 + NT slots of 512 bytes.
     assert_eq!(
         taken(16, 1024, 2048),
         SkinnyPlan {
@@ -236,7 +236,6 @@ fn skinny_plan_takes_aligned_products_of_few_rows_on_small_weights() {
             smem: 16 * 4 * 4 * 512,
         }
     );
-    assert_eq!(warp_bytes(1), 4 * 3 * 512);
     assert_eq!(taken(16, 1001, 2048).blocks, 63);
     // Never more warps than chunks, nor than rings fit in the block's shared memory; none
     // when not one fits.
@@ -247,4 +246,94 @@ fn skinny_plan_takes_aligned_products_of_few_rows_on_small_weights() {
         skinny_plan((16, 1024, 2048), (0, 2048), (0, 2048), 1024),
         None
     );
+}
+
+/// The plan mirrors the kernel's constants: its launch bound and its ring depth.
+#[test]
+fn skinny_plan_mirrors_the_kernel_constants() {
+    use super::plan::{MAX_WARPS, STAGES};
+    let src = include_str!("../../../../kernels/gemm.cu");
+    let define = |name: &str| -> usize {
+        let line = src
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("kernels/gemm.cu defines {name}"));
+        line[format!("#define {name} ").len()..]
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{line}: {e}"))
+    };
+    assert_eq!(define("GEMM_MAX_WARPS"), MAX_WARPS);
+    assert_eq!(define("GEMM_STAGES"), STAGES);
+}
+
+/// Which implementation each conformance case exercises on CUDA (at aligned addresses): the
+/// skinny kernel's cases must stay on it, or a plan that refused everything would let every
+/// case pass on cuBLAS alone.
+#[test]
+fn the_conformance_cases_cover_both_sides_of_the_plan() {
+    use super::plan::skinny_plan;
+    let optin = 232_448;
+    let takes = |m: usize, n: usize, k: usize, ld: usize| {
+        skinny_plan((m, n, k), (0, ld), (0, ld), optin).is_some()
+    };
+    let names: Vec<String> = super::cases().iter().map(|c| c.name.clone()).collect();
+    // (case, m, n, k, row stride of A and W)
+    let shapes = [
+        ("odd_m3_n17_k33_f32", 3, 17, 33, 33, false),
+        ("m1_n256_k512_bf16", 1, 256, 512, 512, true),
+        ("m8_n1000_k2048_f32", 8, 1000, 2048, 2048, true),
+        ("m24_n333_k96_bf16", 24, 333, 96, 96, false),
+        ("m64_n520_k4096_bf16", 64, 520, 4096, 4096, false),
+        ("m5_n40_k64_f32", 5, 40, 64, 64, true),
+        ("m13_n2048_k96_bf16", 13, 2048, 96, 96, true),
+        ("m16_n1024_k2048_f32_35b_k", 16, 1024, 2048, 2048, true),
+        ("m16_n2048_k6144_bf16_35b_down", 16, 2048, 6144, 6144, true),
+        ("m8_n1024_k5120_bf16_27b_v", 8, 1024, 5120, 5120, true),
+        ("strided_m16_n100_k256_pad8_f32", 16, 100, 256, 264, true),
+        (
+            "strided_accumulate_m9_n70_k512_pad16_bf16",
+            9,
+            70,
+            512,
+            528,
+            true,
+        ),
+        (
+            "strided_unaligned_m4_n30_k64_pad3_bf16",
+            4,
+            30,
+            64,
+            67,
+            false,
+        ),
+        ("m128_n1024_k2048_f32", 128, 1024, 2048, 2048, false),
+        ("m16_n6144_k2048_bf16_35b_mlp", 16, 6144, 2048, 2048, false),
+        (
+            "m16_n17408_k5120_bf16_27b_mlp",
+            16,
+            17408,
+            5120,
+            5120,
+            false,
+        ),
+    ];
+    for (name, m, n, k, ld, skinny) in shapes {
+        assert!(names.iter().any(|c| c == name), "no case {name}");
+        assert_eq!(takes(m, n, k, ld), skinny, "{name}");
+    }
+}
+
+/// Every light case runs on the CPU reference: its outputs are all written, nothing outside
+/// them (the padding and the extra row of a strided case) changes, and no input is modified.
+#[test]
+fn light_cases_run_cleanly_on_the_cpu() {
+    for case in super::cases().iter().filter(|c| !c.heavy) {
+        let run = (case.run)(&Backend::Cpu).unwrap_or_else(|e| panic!("{}: {e}", case.name));
+        assert!(run.modified_inputs.is_empty(), "{}", case.name);
+        for out in &run.outputs {
+            assert_eq!((out.unwritten, out.clobbered), (0, 0), "{}", case.name);
+            assert!(out.values.iter().all(|v| v.is_finite()), "{}", case.name);
+        }
+    }
 }
