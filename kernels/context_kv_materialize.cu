@@ -2,7 +2,7 @@
 // (contract: crates/dflash-ops/src/context_kv_materialize/mod.rs). The launcher prepends
 // kernels/head_norm_rope.cu (head_norm_rope_warp) to this file.
 
-// k_raw, v_raw: [rows*cols, kv_heads*d] FP32 (cuBLAS output, unrounded).
+// k_raw, v_raw: [rows*cols, kv_heads*d] FP32 (the gemm helper's output, unrounded).
 // One warp per (row, col, kv head) item, blockDim.x a multiple of 32. Metadata out of range
 // (refused on the CPU) makes the item skip its write, never write out of bounds.
 // paged == 0: units = lanes, unit_len = ring capacity, slots = lane per row [rows].

@@ -1,7 +1,8 @@
 // dynamic_grouped_conv: DFlash2's two-tap, group-16 convolution
 // (contract: crates/dflash-ops/src/dynamic_grouped_conv/mod.rs).
-// prepare = split (inv_rms, exact hi/lo split of the normalized-input products) + a cuBLAS
-// GEMM for the dynamic increments (the launcher) + apply; finish = one elementwise kernel.
+// prepare = split (inv_rms, exact hi/lo split of the normalized-input products) + a GEMM for
+// the dynamic increments (the launcher, through the gemm helper) + apply; finish = one
+// elementwise kernel.
 // Layouts: x, prepared, z, residual, out [rows, cols, H]; base [2 sides, 2 taps, H];
 // w_delta [4G, H] (k = s*2G + t*G + g); finish_delta [rows, cols, 2 taps, G]; G = H / 16.
 // All arithmetic in f32; every stored value rounded once (RNE).
@@ -45,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(256) dynamic_grouped_conv_split_ker
     }
 }
 
-// prepare, step 3 of 3 (step 2 is the cuBLAS GEMM raw[2 col + e, k] = sum_c split[2 col + e, c]
+// prepare, step 3 of 3 (step 2 is the GEMM raw[2 col + e, k] = sum_c split[2 col + e, c]
 // * w_delta[k, c], f32). grid (columns, ceil(H / 2048)), 256 threads, 8 channels per thread
 // (half a group). delta[k] = inv[col] * (raw[2 col, k] + raw[2 col + 1, k]) with k = s * 2G +
 // t * G + g; writes prepared[col, c] and, for the first channel of each group, the BF16

@@ -3,11 +3,11 @@
 //!
 //! Layout: one module folder per op (`<op>/mod.rs` holds the contract and the public entry
 //! `run`, `<op>/reference.rs` the CPU reference, `<op>/cuda.rs` the launcher of
-//! `kernels/<op>.cu` where the op has a kernel of its own: `gemm` calls cuBLAS,
-//! `feature_projection` cuBLAS and a `rms_norm` kernel). The op's name is its module, registry
-//! id ([`OPS`]), bench id and, where it has them, its kernel file and CUDA symbol prefix. The
-//! conformance registry (`registry`: every op's cases, their comparison) is built only with
-//! the feature `conformance`.
+//! `kernels/<op>.cu` where the op has a kernel of its own: `gemm` its skinny kernel or
+//! cuBLAS, `feature_projection` the gemm helper and a `rms_norm` kernel). The op's name is its
+//! module, registry id ([`OPS`]), bench id and, where it has them, its kernel file and CUDA
+//! symbol prefix. The conformance registry (`registry`: every op's cases, their comparison)
+//! is built only with the feature `conformance`.
 //!
 //! This crate depends on no other workspace crate: an engine can take one op alone.
 

@@ -463,9 +463,9 @@ const GEMM_ROWS: [usize; 5] = [8, 16, 32, 64, 128];
 /// of [`GEMM_ROWS`]: `gemm` (the backend's choice, see `gemm::plan`) and
 /// `cublas_gemm` (cuBLAS alone) in the same run. Each graph rotates over copies of the weight
 /// whose total exceeds the L2 cache. Floor: weight + A + C bytes / 4.1 TB/s.
-fn bench_gemm(cuda: &CudaBackend, d: &Draft, inter: usize) -> Result<Vec<GemmRow>> {
+fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
     let be = Backend::Cuda(cuda.clone());
-    let h = d.hidden;
+    let (h, inter) = (d.hidden, d.inter);
     let shapes: [(&'static str, usize, usize); 5] = [
         ("q_proj", HQ * D, h),
         ("k_proj / v_proj", HKV * D, h),
@@ -687,6 +687,9 @@ fn target_parts(s: &Setup) -> TargetParts<'_> {
     }
 }
 
+/// One draft block over `rows` requests of K mask columns at frontier `context`, replayed as
+/// a graph: the `block` row, and with `with_cublas` also `block_cublas_gemm` (the same block
+/// with cuBLAS for every GEMM, `GemmKernels::Cublas`).
 fn bench_block(
     cuda: &CudaBackend,
     s: &Setup,
@@ -694,19 +697,24 @@ fn bench_block(
     rows: usize,
     k: usize,
     context: usize,
-) -> Result<[Row; 2]> {
+    with_cublas: bool,
+) -> Result<Vec<Row>> {
     let be = Backend::Cuda(cuda.clone());
     let (store, mut ws, _reqs) = block_state(&be, s, rows, k, context)?;
     let tp = target_parts(s);
     let t = time_graph(cuda, 1, |_| {
         s.model.run_block(&store, &tp, &mut ws).map_err(Into::into)
     })?;
-    cuda.set_gemm_kernels(GemmKernels::Cublas);
-    let t_blas = time_graph(cuda, 1, |_| {
-        s.model.run_block(&store, &tp, &mut ws).map_err(Into::into)
-    });
-    cuda.set_gemm_kernels(GemmKernels::Auto);
-    let t_blas = t_blas?;
+    let t_blas = if with_cublas {
+        cuda.set_gemm_kernels(GemmKernels::Cublas);
+        let t = time_graph(cuda, 1, |_| {
+            s.model.run_block(&store, &tp, &mut ws).map_err(Into::into)
+        });
+        cuda.set_gemm_kernels(GemmKernels::Auto);
+        Some(t?)
+    } else {
+        None
+    };
     let g = &s.g;
     let kv_per_pos = u64::from(g.kv_heads) * u64::from(g.head_dim) * 4;
     let mut kv = 0u64;
@@ -726,7 +734,9 @@ fn bench_block(
         median_us,
         floor_us: floor_us((weight_bytes(g) + kv) as f64),
     };
-    Ok([row("block", t), row("block_cublas_gemm", t_blas)])
+    let mut out = vec![row("block", t)];
+    out.extend(t_blas.map(|t| row("block_cublas_gemm", t)));
+    Ok(out)
 }
 
 fn profile(cuda: &CudaBackend, which: &str, shape: Option<(usize, usize, usize)>) -> Result<()> {
@@ -789,7 +799,7 @@ fn engine_rounds(
     for d in &DRAFTS {
         for &(b, k, ctx) in &shapes {
             let s = setup(&be, d.backend)?;
-            let [block, _] = bench_block(cuda, &s, d, b, k, ctx)?;
+            let block = bench_block(cuda, &s, d, b, k, ctx, false)?.remove(0);
             let Setup {
                 g,
                 model,
@@ -1017,7 +1027,7 @@ fn main() -> Result<()> {
     if wanted("gemm") {
         let mut grows = Vec::new();
         for d in &DRAFTS {
-            for r in bench_gemm(&cuda, d, d.inter)? {
+            for r in bench_gemm(&cuda, d)? {
                 eprintln!(
                     "[{:6.1} s] {:>12} {:>15} {:>20} m={:>3}: {:>8.1} us ({:.2} TB/s, floor {:.1} us)",
                     t0.elapsed().as_secs_f64(),
@@ -1064,12 +1074,12 @@ fn main() -> Result<()> {
         for d in &DRAFTS {
             let s = setup(&be, d.backend)?;
             for &(b, k, ctx) in &shapes {
-                for r in bench_block(&cuda, &s, d, b, k, ctx)? {
+                for r in bench_block(&cuda, &s, d, b, k, ctx, true)? {
                     log(r, &mut rows);
                 }
             }
             if d.backend == DraftBackend::DFlash && shape.is_none() {
-                for r in bench_block(&cuda, &s, d, 1, 7, 131_072)? {
+                for r in bench_block(&cuda, &s, d, 1, 7, 131_072, true)? {
                     log(r, &mut rows);
                 }
             }

@@ -1,5 +1,6 @@
 //! CUDA launcher of `context_kv_materialize` (kernels/context_kv_materialize.cu, prefixed by
-//! kernels/head_norm_rope.cu): two cuBLAS GEMMs into the F32 scratch, then one store kernel.
+//! kernels/head_norm_rope.cu): two GEMMs (the gemm helper) into the F32 scratch, then one
+//! store kernel.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::{bf16, f16};

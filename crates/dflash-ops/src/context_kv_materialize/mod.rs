@@ -25,9 +25,9 @@
 //!   cache_v: F16; scratch: F32.
 //! Rounding points. K: once, BF16 RNE, after norm and RoPE (k_raw, the norm and the rotation
 //!   are unrounded). V: BF16 RNE of v_raw, then F16 RNE of that BF16 value.
-//! Accumulation. Implementation choice (CUDA: cuBLAS FP32 into an F32 scratch, FP32 norm,
-//!   RoPE angle formed and reduced mod 2*pi in f64, sin/cos in f32); the oracle is f64 from
-//!   the represented inputs.
+//! Accumulation. Implementation choice (CUDA: the gemm helper, FP32, into an F32 scratch,
+//!   FP32 norm, RoPE angle formed and reduced mod 2*pi in f64, sin/cos in f32); the oracle
+//!   is f64 from the represented inputs.
 //! Tie-breaking. None.
 //! Caller guarantees (checked on the CPU, which refuses a violating call with
 //!   [`OpsError::Value`](crate::OpsError) before writing; trusted on CUDA, where the kernel

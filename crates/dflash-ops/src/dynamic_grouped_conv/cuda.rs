@@ -2,9 +2,9 @@
 //!
 //! prepare = three launches on the stream: `_split` (one block per column) writes the inverse
 //! RMS and the exact hi/lo BF16 split of the normalized-input products into the scratch; one
-//! cuBLAS GEMM projects those `2 * columns` rows on `w_delta` (f32 increments); `_apply` (grid
-//! columns x ceil(H / 2048)) writes `prepared` and `finish_delta`. finish = one elementwise
-//! kernel.
+//! GEMM (the gemm helper) projects those `2 * columns` rows on `w_delta` (f32 increments);
+//! `_apply` (grid columns x ceil(H / 2048)) writes `prepared` and `finish_delta`. finish = one
+//! elementwise kernel.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 

@@ -33,10 +33,11 @@
 //!   f64 from the represented inputs.
 //! CUDA. prepare is three launches: a split kernel (one block per column: the inverse RMS,
 //!   and each product `norm_w[c] * x[c]`, exact in f32, split into two BF16 terms hi + lo that
-//!   sum to it exactly), one cuBLAS GEMM of those `2 * columns` rows against `w_delta` (BF16
-//!   in, FP32 accumulate: the products enter unrounded), and an apply kernel (grid over
-//!   columns x 2048-channel chunks, 8 channels per thread) that scales the increments by the
-//!   inverse RMS and writes `prepared` and `finish_delta`. finish is one elementwise kernel.
+//!   sum to it exactly), one GEMM (the gemm helper) of those `2 * columns` rows against
+//!   `w_delta` (BF16 in, FP32 accumulate: the products enter unrounded), and an apply kernel
+//!   (grid over columns x 2048-channel chunks, 8 channels per thread) that scales the
+//!   increments by the inverse RMS and writes `prepared` and `finish_delta`. finish is one
+//!   elementwise kernel.
 //! Masking. Column 0 of every row has no preceding tap (the `1{i >= 1}` terms vanish); every
 //!   column is computed (DFlash2 computes all W columns, live or not).
 //! Caller guarantees. group = 16 (the only width the spec defines; others are refused),

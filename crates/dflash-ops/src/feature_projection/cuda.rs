@@ -1,4 +1,4 @@
-//! CUDA path of `feature_projection`: the crate's cuBLAS GEMM into the F32 scratch, then the
+//! CUDA path of `feature_projection`: the crate's GEMM helper into the F32 scratch, then the
 //! `rms_norm` F32-input kernel (kernels/rms_norm.cu) on it.
 
 use half::bf16;

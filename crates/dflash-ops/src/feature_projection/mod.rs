@@ -12,8 +12,8 @@
 //! Dtypes. s, w_feature, context_norm: BF16; c: BF16; scratch: F32.
 //! Rounding points. c only: once, BF16 RNE. The projection is kept unrounded (F32 on CUDA)
 //!   into the norm.
-//! Accumulation. Implementation choice (CUDA: cuBLAS FP32 GEMM into the F32 scratch, FP32
-//!   norm reduction); the oracle is f64 from the represented inputs.
+//! Accumulation. Implementation choice (CUDA: the gemm helper's FP32 GEMM into the F32
+//!   scratch, FP32 norm reduction); the oracle is f64 from the represented inputs.
 //! Tie-breaking. None. Masking. None (every token row is projected).
 //! Caller guarantees. No aliasing between c, scratch and the inputs.
 //! Writes. Every element of c; on CUDA the first `tokens*hidden` scratch elements (the CPU
