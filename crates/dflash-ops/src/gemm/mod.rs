@@ -217,17 +217,15 @@ fn case_run(
     })
 }
 
-/// An output element a strided case rounds its f64 oracle to (once); with CUDA, one the
-/// device helper writes.
+#[cfg(all(any(test, feature = "conformance"), not(feature = "cuda")))]
+use crate::Element as StridedOut;
+/// What a strided case's output type must also be: one the CUDA device helper writes.
 #[cfg(all(any(test, feature = "conformance"), feature = "cuda"))]
-pub(crate) trait RoundedOut: cuda::GemmOutElem {
-    /// The f64 value rounded once to this type (RNE).
-    fn round(v: f64) -> Self;
-}
+use cuda::GemmOutElem as StridedOut;
 
 /// An output element a strided case rounds its f64 oracle to (once).
-#[cfg(all(any(test, feature = "conformance"), not(feature = "cuda")))]
-pub(crate) trait RoundedOut: Element {
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) trait RoundedOut: StridedOut {
     /// The f64 value rounded once to this type (RNE).
     fn round(v: f64) -> Self;
 }
@@ -301,20 +299,28 @@ fn strided_case<T: RoundedOut>(
         let mut out = be.upload(&before)?;
         match be {
             Backend::Cpu => {
-                let (ah, wh) = (ab.host(OP, "a")?, wb.host(OP, "w")?);
+                // The dense oracle over the rows' first k elements (the padding is not read).
+                let dense = |x: &[bf16]| -> Vec<bf16> {
+                    x.chunks(lda)
+                        .flat_map(|row| row[..k].iter().copied())
+                        .collect()
+                };
+                let dot = reference::matmul_f64(
+                    &dense(ab.host(OP, "a")?),
+                    &dense(wb.host(OP, "w")?),
+                    m,
+                    n,
+                    k,
+                );
                 let o = out.host_mut(OP, "out")?;
                 for i in 0..m {
                     for j in 0..n {
-                        let dot = (0..k).fold(0.0f64, |acc, l| {
-                            acc + f64::from(ah[i * lda + l].to_f32())
-                                * f64::from(wh[j * lda + l].to_f32())
-                        });
                         let prior = if accumulate {
                             o[i * ldc + j].to_f64()
                         } else {
                             0.0
                         };
-                        o[i * ldc + j] = T::round(dot + prior);
+                        o[i * ldc + j] = T::round(dot[i * n + j] + prior);
                     }
                 }
             }
@@ -341,94 +347,92 @@ fn strided_case<T: RoundedOut>(
     }
 }
 
-/// Conformance cases. On CUDA, the products `gemm::plan` gives the skinny kernel (m <= 16,
+/// Which implementation a case exercises on CUDA (at 16-byte aligned addresses), as
+/// `gemm::plan` decides; `tests::the_conformance_cases_cover_both_sides_of_the_plan` checks
+/// every row of [`CASES`] against the plan.
+#[cfg(any(test, feature = "conformance"))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// The skinny kernel of `kernels/gemm.cu`.
+    Skinny,
+    /// cuBLAS.
+    Cublas,
+}
+
+/// One case: name, (m, n, k), row padding (`None`: the public op on dense operands; `Some`:
+/// the device helper over padded rows, [`strided_case`]), accumulate, BF16 output, seed, heavy,
+/// and the implementation it exercises on CUDA.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) type CaseSpec = (
+    &'static str,
+    (usize, usize, usize),
+    Option<usize>,
+    bool,
+    bool,
+    u64,
+    bool,
+    Path,
+);
+
+/// The conformance cases: on CUDA the products `gemm::plan` gives the skinny kernel (m <= 16,
 /// n <= 2048, k % 32 == 0, 16-byte aligned rows: both n8-tile counts, n not a multiple of 16,
 /// fewer chunks a warp than ring stages, strides and accumulate, the drafts' B = 1 shapes),
-/// and around them cuBLAS (k 33, m 24 / 32 / 64 / 128, n 5120 / 6144 / 17408, an odd
-/// stride); `tests::the_conformance_cases_cover_both_sides_of_the_plan` pins which is which.
+/// and around them cuBLAS (k 33, m 24 / 32 / 64 / 128, n 5120 / 6144 / 17408, an odd stride).
+#[cfg(any(test, feature = "conformance"))]
+#[rustfmt::skip]
+pub(crate) const CASES: [CaseSpec; 21] = {
+    use Path::{Cublas, Skinny};
+    [
+        ("odd_m3_n17_k33_f32", (3, 17, 33), None, false, false, 1, false, Cublas),
+        ("odd_m3_n17_k33_bf16", (3, 17, 33), None, false, true, 2, false, Cublas),
+        ("m1_n256_k512_bf16", (1, 256, 512), None, false, true, 3, false, Skinny),
+        ("m8_n1000_k2048_f32", (8, 1000, 2048), None, false, false, 8, false, Skinny),
+        ("m24_n333_k96_bf16", (24, 333, 96), None, false, true, 9, false, Cublas),
+        ("m64_n520_k4096_bf16", (64, 520, 4096), None, false, true, 10, false, Cublas),
+        ("m5_n40_k64_f32", (5, 40, 64), None, false, false, 11, false, Skinny),
+        ("m13_n2048_k96_bf16", (13, 2048, 96), None, false, true, 18, false, Skinny),
+        ("m16_n1024_k2048_f32_35b_k", (16, 1024, 2048), None, false, false, 19, false, Skinny),
+        ("m16_n2048_k6144_bf16_35b_down", (16, 2048, 6144), None, false, true, 20, false, Skinny),
+        ("m8_n1024_k5120_bf16_27b_v", (8, 1024, 5120), None, false, true, 21, false, Skinny),
+        ("strided_m16_n100_k256_pad8_f32", (16, 100, 256), Some(8), false, false, 12, false, Skinny),
+        ("strided_accumulate_m16_n100_k256_pad8_f32", (16, 100, 256), Some(8), true, false, 13, false, Skinny),
+        ("strided_accumulate_m9_n70_k512_pad16_bf16", (9, 70, 512), Some(16), true, true, 14, false, Skinny),
+        ("strided_unaligned_m4_n30_k64_pad3_bf16", (4, 30, 64), Some(3), false, true, 15, false, Cublas),
+        ("m128_n1024_k2048_f32", (128, 1024, 2048), None, false, false, 4, true, Cublas),
+        ("m16_n6144_k2048_f32_35b_mlp", (16, 6144, 2048), None, false, false, 5, true, Cublas),
+        ("m16_n6144_k2048_bf16_35b_mlp", (16, 6144, 2048), None, false, true, 6, true, Cublas),
+        ("m16_n17408_k5120_bf16_27b_mlp", (16, 17408, 5120), None, false, true, 7, true, Cublas),
+        ("m16_n5120_k17408_bf16_27b_down", (16, 5120, 17408), None, false, true, 16, true, Cublas),
+        ("m32_n1024_k5120_f32_27b_kv", (32, 1024, 5120), None, false, false, 17, true, Cublas),
+    ]
+};
+
+/// Conformance cases: [`CASES`].
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
-    let strided = |m, n, k, pad, accumulate| Strided {
-        m,
-        n,
-        k,
-        pad,
-        accumulate,
-    };
-    vec![
-        Case::new(OP, "odd_m3_n17_k33_f32", case(3, 17, 33, 1, false)),
-        Case::new(OP, "odd_m3_n17_k33_bf16", case(3, 17, 33, 2, true)),
-        Case::new(OP, "m1_n256_k512_bf16", case(1, 256, 512, 3, true)),
-        Case::new(OP, "m8_n1000_k2048_f32", case(8, 1000, 2048, 8, false)),
-        Case::new(OP, "m24_n333_k96_bf16", case(24, 333, 96, 9, true)),
-        Case::new(OP, "m64_n520_k4096_bf16", case(64, 520, 4096, 10, true)),
-        Case::new(OP, "m5_n40_k64_f32", case(5, 40, 64, 11, false)),
-        Case::new(OP, "m13_n2048_k96_bf16", case(13, 2048, 96, 18, true)),
-        Case::new(
-            OP,
-            "m16_n1024_k2048_f32_35b_k",
-            case(16, 1024, 2048, 19, false),
-        ),
-        Case::new(
-            OP,
-            "m16_n2048_k6144_bf16_35b_down",
-            case(16, 2048, 6144, 20, true),
-        ),
-        Case::new(
-            OP,
-            "m8_n1024_k5120_bf16_27b_v",
-            case(8, 1024, 5120, 21, true),
-        ),
-        Case::new(
-            OP,
-            "strided_m16_n100_k256_pad8_f32",
-            strided_case::<f32>(strided(16, 100, 256, 8, false), 12),
-        ),
-        Case::new(
-            OP,
-            "strided_accumulate_m16_n100_k256_pad8_f32",
-            strided_case::<f32>(strided(16, 100, 256, 8, true), 13),
-        ),
-        Case::new(
-            OP,
-            "strided_accumulate_m9_n70_k512_pad16_bf16",
-            strided_case::<bf16>(strided(9, 70, 512, 16, true), 14),
-        ),
-        Case::new(
-            OP,
-            "strided_unaligned_m4_n30_k64_pad3_bf16",
-            strided_case::<bf16>(strided(4, 30, 64, 3, false), 15),
-        ),
-        Case::new(OP, "m128_n1024_k2048_f32", case(128, 1024, 2048, 4, false)).heavy(),
-        Case::new(
-            OP,
-            "m16_n6144_k2048_f32_35b_mlp",
-            case(16, 6144, 2048, 5, false),
+    CASES
+        .iter()
+        .map(
+            |&(name, (m, n, k), pad, accumulate, bf16_out, seed, heavy, _)| {
+                let c = match pad {
+                    None => Case::new(OP, name, case(m, n, k, seed, bf16_out)),
+                    Some(pad) => {
+                        let s = Strided {
+                            m,
+                            n,
+                            k,
+                            pad,
+                            accumulate,
+                        };
+                        if bf16_out {
+                            Case::new(OP, name, strided_case::<bf16>(s, seed))
+                        } else {
+                            Case::new(OP, name, strided_case::<f32>(s, seed))
+                        }
+                    }
+                };
+                if heavy { c.heavy() } else { c }
+            },
         )
-        .heavy(),
-        Case::new(
-            OP,
-            "m16_n6144_k2048_bf16_35b_mlp",
-            case(16, 6144, 2048, 6, true),
-        )
-        .heavy(),
-        Case::new(
-            OP,
-            "m16_n17408_k5120_bf16_27b_mlp",
-            case(16, 17408, 5120, 7, true),
-        )
-        .heavy(),
-        Case::new(
-            OP,
-            "m16_n5120_k17408_bf16_27b_down",
-            case(16, 5120, 17408, 16, true),
-        )
-        .heavy(),
-        Case::new(
-            OP,
-            "m32_n1024_k5120_f32_27b_kv",
-            case(32, 1024, 5120, 17, false),
-        )
-        .heavy(),
-    ]
+        .collect()
 }

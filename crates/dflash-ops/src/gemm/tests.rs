@@ -267,60 +267,21 @@ fn skinny_plan_mirrors_the_kernel_constants() {
     assert_eq!(define("GEMM_STAGES"), STAGES);
 }
 
-/// Which implementation each conformance case exercises on CUDA (at aligned addresses): the
-/// skinny kernel's cases must stay on it, or a plan that refused everything would let every
-/// case pass on cuBLAS alone.
+/// Which implementation each conformance case exercises on CUDA (at aligned addresses) is
+/// the one its row of `CASES` names: the skinny kernel's cases must stay on it, or a plan that
+/// refused everything would let every case pass on cuBLAS alone.
 #[test]
 fn the_conformance_cases_cover_both_sides_of_the_plan() {
+    use super::Path;
     use super::plan::skinny_plan;
     let optin = 232_448;
-    let takes = |m: usize, n: usize, k: usize, ld: usize| {
-        skinny_plan((m, n, k), (0, ld), (0, ld), optin).is_some()
-    };
-    let names: Vec<String> = super::cases().iter().map(|c| c.name.clone()).collect();
-    // (case, m, n, k, row stride of A and W)
-    let shapes = [
-        ("odd_m3_n17_k33_f32", 3, 17, 33, 33, false),
-        ("m1_n256_k512_bf16", 1, 256, 512, 512, true),
-        ("m8_n1000_k2048_f32", 8, 1000, 2048, 2048, true),
-        ("m24_n333_k96_bf16", 24, 333, 96, 96, false),
-        ("m64_n520_k4096_bf16", 64, 520, 4096, 4096, false),
-        ("m5_n40_k64_f32", 5, 40, 64, 64, true),
-        ("m13_n2048_k96_bf16", 13, 2048, 96, 96, true),
-        ("m16_n1024_k2048_f32_35b_k", 16, 1024, 2048, 2048, true),
-        ("m16_n2048_k6144_bf16_35b_down", 16, 2048, 6144, 6144, true),
-        ("m8_n1024_k5120_bf16_27b_v", 8, 1024, 5120, 5120, true),
-        ("strided_m16_n100_k256_pad8_f32", 16, 100, 256, 264, true),
-        (
-            "strided_accumulate_m9_n70_k512_pad16_bf16",
-            9,
-            70,
-            512,
-            528,
-            true,
-        ),
-        (
-            "strided_unaligned_m4_n30_k64_pad3_bf16",
-            4,
-            30,
-            64,
-            67,
-            false,
-        ),
-        ("m128_n1024_k2048_f32", 128, 1024, 2048, 2048, false),
-        ("m16_n6144_k2048_bf16_35b_mlp", 16, 6144, 2048, 2048, false),
-        (
-            "m16_n17408_k5120_bf16_27b_mlp",
-            16,
-            17408,
-            5120,
-            5120,
-            false,
-        ),
-    ];
-    for (name, m, n, k, ld, skinny) in shapes {
-        assert!(names.iter().any(|c| c == name), "no case {name}");
-        assert_eq!(takes(m, n, k, ld), skinny, "{name}");
+    for (name, (m, n, k), pad, .., path) in super::CASES {
+        let ld = k + pad.unwrap_or(0);
+        let takes = skinny_plan((m, n, k), (0, ld), (0, ld), optin).is_some();
+        assert_eq!(takes, path == Path::Skinny, "{name}");
+    }
+    for side in [Path::Skinny, Path::Cublas] {
+        assert!(super::CASES.iter().any(|c| c.7 == side), "no {side:?} case");
     }
 }
 
