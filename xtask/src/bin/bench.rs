@@ -448,10 +448,15 @@ struct GemmRow {
     floor_us: f64,
 }
 
+/// Bytes an `m x n x k` BF16 product must move: the weight, A and C.
+fn gemm_bytes(m: usize, n: usize, k: usize) -> f64 {
+    ((n * k + m * (k + n)) * 2) as f64
+}
+
 impl GemmRow {
-    /// Effective rate: the bytes the product must move (weight, A, C) over its time.
+    /// Effective rate: [`gemm_bytes`] over the time.
     fn tb_s(&self) -> f64 {
-        (self.n * self.k * 2 + self.m * (self.k + self.n) * 2) as f64 / self.median_us * 1e-6
+        gemm_bytes(self.m, self.n, self.k) / self.median_us * 1e-6
     }
 }
 
@@ -484,7 +489,7 @@ fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
             let a = random_buf(&be, m * k, 7, |x| bf(2.0 * x))?;
             let mut out = be.zeros::<bf16>(m * n)?;
             let gp = gemm::GemmParams { m, n, k };
-            let floor = floor_us((bytes + m * (k + n) * 2) as f64);
+            let floor = floor_us(gemm_bytes(m, n, k));
             for (op, kernels) in [
                 ("gemm", GemmKernels::Auto),
                 ("cublas_gemm", GemmKernels::Cublas),
@@ -514,9 +519,8 @@ fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
 /// The GEMM report: `gemm` and `cublas_gemm` side by side per draft, weight and rows.
 fn gemm_report(rows: &[GemmRow], head: &str) -> (String, Vec<serde_json::Value>) {
     let mut md = format!(
-        "{head}
-| draft | weight [n, k] | m | gemm us | TB/s | cublas_gemm us | TB/s | floor us | gemm x floor |\n\
-         |---|---|---|---|---|---|---|---|---|\n"
+        "{head}\n| draft | weight [n, k] | m | gemm us | TB/s | cublas_gemm us | TB/s | floor us | \
+         gemm x floor |\n|---|---|---|---|---|---|---|---|---|\n"
     );
     for pair in rows.chunks(2) {
         if let [own, blas] = pair {

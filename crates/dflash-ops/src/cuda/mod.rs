@@ -57,8 +57,9 @@ pub enum KernelVariants {
     Portable,
 }
 
-/// Which implementation the GEMMs of a [`CudaBackend`] use (the `gemm` op and every op that
-/// multiplies by a weight).
+/// Which implementation the GEMMs of a [`CudaBackend`] use (every product through the `gemm`
+/// device helper: the `gemm` op, the layer projections and the other ops' products; the heads
+/// fuse their own).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GemmKernels {
     /// The `gemm` op's own kernel for the products its plan takes (at most 16 rows on a
