@@ -870,13 +870,19 @@ fn engine_rounds(
     }
     println!("{md}");
     if let Some(dir) = out {
-        std::fs::create_dir_all(dir)?;
-        std::fs::write(format!("{dir}/engine-round.md"), &md)?;
-        std::fs::write(
-            format!("{dir}/engine-round.json"),
-            serde_json::to_string_pretty(&json)?,
-        )?;
+        write_report(dir, "engine-round", &md, &json)?;
     }
+    Ok(())
+}
+
+/// Write `DIR/STEM.md` and `DIR/STEM.json` (pretty-printed), creating `dir`.
+fn write_report(dir: &str, stem: &str, md: &str, json: &[serde_json::Value]) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {dir}"))?;
+    std::fs::write(format!("{dir}/{stem}.md"), md)?;
+    std::fs::write(
+        format!("{dir}/{stem}.json"),
+        serde_json::to_string_pretty(json)?,
+    )?;
     Ok(())
 }
 
@@ -1062,12 +1068,7 @@ fn main() -> Result<()> {
         );
         let (md, json) = gemm_report(&grows, &head);
         if let Some(dir) = &out {
-            std::fs::create_dir_all(dir)?;
-            std::fs::write(format!("{dir}/gemm.md"), &md)?;
-            std::fs::write(
-                format!("{dir}/gemm.json"),
-                serde_json::to_string_pretty(&json)?,
-            )?;
+            write_report(dir, "gemm", &md, &json)?;
         }
         println!("{md}");
     }
@@ -1140,12 +1141,7 @@ fn main() -> Result<()> {
         })
         .collect();
     if let Some(dir) = out {
-        std::fs::create_dir_all(&dir)?;
-        std::fs::write(format!("{dir}/performance.md"), &md)?;
-        std::fs::write(
-            format!("{dir}/performance.json"),
-            serde_json::to_string_pretty(&json)?,
-        )?;
+        write_report(&dir, "performance", &md, &json)?;
     }
     println!("{md}");
     Ok(())
