@@ -316,6 +316,40 @@ impl<T: Element> Buffer<T> {
         }
     }
 
+    /// A read-only [`Borrowed`] view of elements `offset..offset + len` of this buffer, for as
+    /// long as the buffer is borrowed (so nothing writes or frees it meanwhile): how one
+    /// allocation serves as several tensors, e.g. the `k_proj` rows of a row-concatenated
+    /// `[q_proj; k_proj; v_proj]` weight read on their own.
+    ///
+    /// Errors: [`OpsError::WrongBackend`] when `be` is not the buffer's backend,
+    /// [`OpsError::Length`] when the range passes the end, [`OpsError::Borrow`] when a
+    /// device view would not start 16-byte aligned (what the kernels' vector loads need).
+    pub fn view(&self, be: &Backend, offset: usize, len: usize) -> Result<Borrowed<'_, T>> {
+        if self.backend_name() != be.name() {
+            return Err(OpsError::WrongBackend {
+                op: "view",
+                tensor: "buf",
+                expected: be.name(),
+                found: self.backend_name(),
+            });
+        }
+        let end = offset.checked_add(len).filter(|&e| e <= self.len());
+        if end.is_none() {
+            return Err(OpsError::Length {
+                op: "view",
+                tensor: "buf",
+                expected: self.len(),
+                shape: format!("at least offset {offset} + len {len}"),
+                found: self.len(),
+            });
+        }
+        let addr = self.address() + (offset * std::mem::size_of::<T>()) as u64;
+        // SAFETY: the range lies inside this buffer (checked above), which `be` owns (same
+        // backend) and which stays allocated and unwritten through Rust while the view
+        // borrows `self`; `from_raw` checks the alignment (and on CUDA the allocation).
+        unsafe { Borrowed::from_raw(be, addr, len) }
+    }
+
     /// The host elements, or [`OpsError::WrongBackend`] for a device buffer.
     pub fn host(&self, op: &'static str, tensor: &'static str) -> Result<&[T]> {
         let _ = (op, tensor); // used only when a device variant exists
@@ -831,6 +865,30 @@ impl Backend {
 mod tests {
     use super::*;
     use half::bf16;
+
+    #[test]
+    fn a_view_reads_its_range_only_and_refuses_to_pass_the_end() {
+        let be = Backend::cpu();
+        let b = be.upload(&[1i32, 2, 3, 4, 5]).expect("upload");
+        let v = b.view(&be, 1, 3).expect("view");
+        assert_eq!(v.len(), 3);
+        assert!(v.is_borrowed());
+        assert_eq!(be.download(&v).expect("download"), vec![2, 3, 4]);
+        assert_eq!(v.address(), b.address() + 4);
+        assert_eq!(
+            be.download(&b.view(&be, 5, 0).expect("empty")).expect("dl"),
+            vec![]
+        );
+        for (offset, len) in [(3, 3), (6, 0), (usize::MAX, 2)] {
+            assert!(
+                matches!(
+                    b.view(&be, offset, len),
+                    Err(OpsError::Length { op: "view", .. })
+                ),
+                "offset {offset} len {len}"
+            );
+        }
+    }
 
     #[test]
     fn cpu_buffer_round_trip_and_ranges() {

@@ -31,15 +31,90 @@ pub(crate) fn head_norm_rope_f64(
     out: &mut [f64],
 ) {
     let d = x.len();
+    norm_rotate_f64(x, w, eps, |j| rope_angle(pos, j, d, theta), out);
+}
+
+/// [`head_norm_rope_f64`] with the angle of pair `j` given by `angle(j)` (the fused form
+/// reads the block's angle table).
+pub(crate) fn norm_rotate_f64(
+    x: &[f64],
+    w: &[bf16],
+    eps: f32,
+    angle: impl Fn(usize) -> f64,
+    out: &mut [f64],
+) {
+    let d = x.len();
     let half = d / 2;
     let ss: f64 = x.iter().map(|v| v * v).sum();
     let inv = 1.0 / (ss / d as f64 + f64::from(eps)).sqrt();
     let n = |j: usize| f64::from(w[j].to_f32()) * x[j] * inv;
     for j in 0..half {
         let (a, b) = (n(j), n(j + half));
-        let (s, c) = rope_angle(pos, j, d, theta).sin_cos();
+        let (s, c) = angle(j).sin_cos();
         out[j] = a * c - b * s;
         out[j + half] = b * c + a * s;
+    }
+}
+
+/// The angle table of a block: `angles[(r * cols + c) * d/2 + j]` = the reduced angle of pair
+/// `j` at position `start_pos[r] + c`, narrowed to f32 (start positions checked >= 0).
+pub(super) fn table(start_pos: &[i32], angles: &mut [f32], cols: usize, d: usize, theta: f64) {
+    let half = d / 2;
+    for (i, a) in angles.iter_mut().enumerate() {
+        let (rc, j) = (i / half, i % half);
+        let pos = i64::from(start_pos[rc / cols]) + (rc % cols) as i64;
+        *a = rope_angle(pos, j, d, theta) as f32;
+    }
+}
+
+/// The fused form: token `t`, head `h` of `qkv` `[tokens, hq + 2 hkv, d]`; Q and K heads
+/// normalized and rotated with the table's angles (widened), V heads rounded.
+#[allow(clippy::too_many_arguments)] // reason: the contract's tensors, one each
+pub(super) fn qkv(
+    qkv: &[f32],
+    q_norm: &[bf16],
+    k_norm: &[bf16],
+    angles: &[f32],
+    q: &mut [bf16],
+    k: &mut [bf16],
+    v: &mut [bf16],
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    eps: f32,
+) {
+    let heads = hq + 2 * hkv;
+    let half = d / 2;
+    let mut xf = vec![0f64; d];
+    let mut of = vec![0f64; d];
+    for (i, x) in qkv.chunks_exact(d).enumerate() {
+        let (t, h) = (i / heads, i % heads);
+        let (norm, dst) = if h < hq {
+            (Some(q_norm), &mut q[(t * hq + h) * d..(t * hq + h + 1) * d])
+        } else if h < hq + hkv {
+            let kh = t * hkv + h - hq;
+            (Some(k_norm), &mut k[kh * d..(kh + 1) * d])
+        } else {
+            let vh = t * hkv + h - hq - hkv;
+            (None, &mut v[vh * d..(vh + 1) * d])
+        };
+        match norm {
+            Some(w) => {
+                for (dst, &s) in xf.iter_mut().zip(x) {
+                    *dst = f64::from(s);
+                }
+                let row = &angles[t * half..(t + 1) * half];
+                norm_rotate_f64(&xf, w, eps, |j| f64::from(row[j]), &mut of);
+                for (o, &val) in dst.iter_mut().zip(&of) {
+                    *o = bf16_rne_f64(val);
+                }
+            }
+            None => {
+                for (o, &val) in dst.iter_mut().zip(x) {
+                    *o = bf16_rne_f64(f64::from(val));
+                }
+            }
+        }
     }
 }
 

@@ -175,3 +175,172 @@ proptest! {
         }
     }
 }
+
+fn qkv_params(rows: usize, cols: usize, hq: usize, hkv: usize, d: usize) -> QkvParams {
+    QkvParams {
+        rows,
+        cols,
+        q_heads: hq,
+        kv_heads: hkv,
+        head_dim: d,
+        eps: 1e-6,
+        theta: 1e7,
+    }
+}
+
+/// The fused form's outputs on the CPU: (angles, q, k, v).
+type Fused = (Vec<f32>, Vec<bf16>, Vec<bf16>, Vec<bf16>);
+
+/// The fused form on the CPU.
+fn fused(
+    x: &[f32],
+    wq: &[bf16],
+    wk: &[bf16],
+    start: &[i32],
+    p: &QkvParams,
+) -> Result<Fused> {
+    let be = Backend::cpu();
+    let (_, table, nq, nkv, _) = p.sizes()?;
+    let mut angles = be.filled(table, f32::NAN)?;
+    rope_table(&be, &be.upload(start)?, &mut angles, p)?;
+    let (mut q, mut k, mut v) = (
+        be.filled(nq, bf16::POISON)?,
+        be.filled(nkv, bf16::POISON)?,
+        be.filled(nkv, bf16::POISON)?,
+    );
+    let (wqb, wkb) = (be.upload(wq)?, be.upload(wk)?);
+    let out = QkvOut {
+        q: &mut q,
+        k: &mut k,
+        v: &mut v,
+    };
+    run_qkv(&be, &be.upload(x)?, &wqb, &wkb, &angles, out, p)?;
+    Ok((
+        be.download(&angles)?,
+        be.download(&q)?,
+        be.download(&k)?,
+        be.download(&v)?,
+    ))
+}
+
+#[test]
+fn rope_table_holds_the_narrowed_reduced_angles() {
+    // D = 4 (pairs j = 0, 1), theta 1e4: inv_freq = [1, 1e-2]. Position 0: all zero;
+    // position 7: [7 rad reduced = 7 - 2 pi = 0.71681469, 0.07].
+    let p = QkvParams {
+        theta: 1e4,
+        ..qkv_params(2, 1, 1, 1, 4)
+    };
+    let x = vec![1.0f32; 2 * 3 * 4];
+    let w = vec![bf16::from_f32(1.0); 4];
+    let (angles, ..) = fused(&x, &w, &w, &[0, 7], &p).expect("run");
+    assert_eq!(angles[..2], [0.0, 0.0]);
+    assert_eq!(angles[2], (7.0 - std::f64::consts::TAU) as f32);
+    assert_eq!(angles[3], (7.0f64 * 1e-2) as f32);
+}
+
+#[test]
+fn qkv_form_routes_heads_and_matches_the_plain_op() {
+    // 2 rows x 3 columns, Hq 3, Hkv 2, D 8: every head of every token at its own scale.
+    let (rows, cols, hq, hkv, d) = (2, 3, 3, 2, 8);
+    let p = qkv_params(rows, cols, hq, hkv, d);
+    let heads = hq + 2 * hkv;
+    let tokens = rows * cols;
+    let mut g = SplitMix::new(77);
+    let x: Vec<f32> = (0..tokens * heads * d)
+        .map(|i| (g.range(-1.0, 1.0) * (1.0 + (i / d) as f64)) as f32)
+        .collect();
+    let (wq, wk) = (g.bf16_vec(d, -1.5, 1.5), g.bf16_vec(d, -1.5, 1.5));
+    let start = [5, 123_456];
+    let (_, q, k, v) = fused(&x, &wq, &wk, &start, &p).expect("run");
+    // The heads of one role, gathered out of the fused layout.
+    let part = |h0: usize, n: usize| -> Vec<f32> {
+        (0..tokens)
+            .flat_map(|t| x[(t * heads + h0) * d..(t * heads + h0 + n) * d].to_vec())
+            .collect()
+    };
+    let plain = |h0: usize, n: usize, w: &[bf16]| {
+        hnr(&part(h0, n), w, &start, &params(rows, cols, n, d)).expect("plain")
+    };
+    // The plain op forms f64 angles; the fused one narrows them to f32: at most one BF16
+    // rounding flip apart (and equal almost everywhere).
+    let near = |a: &[bf16], b: &[bf16]| {
+        let flips = a.iter().zip(b).filter(|(x, y)| x != y).count();
+        assert!(flips * 20 <= a.len(), "{flips} of {} differ", a.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!(x.to_bits().abs_diff(y.to_bits()) <= 1, "{x} vs {y}");
+        }
+    };
+    near(&q, &plain(0, hq, &wq));
+    near(&k, &plain(hq, hkv, &wk));
+    let want_v: Vec<bf16> = part(hq + hkv, hkv)
+        .iter()
+        .map(|&f| crate::bf16_rne_f64(f64::from(f)))
+        .collect();
+    assert_eq!(v, want_v);
+}
+
+#[test]
+fn qkv_form_refuses_bad_shapes_and_positions_without_writing() {
+    let be = Backend::cpu();
+    let p = qkv_params(1, 2, 2, 1, 4);
+    let x = be.upload(&[1.0f32; 2 * 4 * 4]).expect("up");
+    let w = be.upload(&[bf16::from_f32(1.0); 4]).expect("up");
+    let angles = be.upload(&[0.0f32; 4]).expect("up");
+    let (mut q, mut k, mut v) = (
+        be.filled(16, bf16::POISON).expect("alloc"),
+        be.filled(7, bf16::POISON).expect("alloc"),
+        be.filled(8, bf16::POISON).expect("alloc"),
+    );
+    let out = QkvOut {
+        q: &mut q,
+        k: &mut k,
+        v: &mut v,
+    };
+    let e = run_qkv(&be, &x, &w, &w, &angles, out, &p).expect_err("k short");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "k",
+                expected: 8,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    for b in [&q, &k, &v] {
+        assert!(
+            be.download(b)
+                .expect("dl")
+                .iter()
+                .all(|x| x.to_bits() == bf16::POISON.to_bits())
+        );
+    }
+    let mut table = be.filled(4, f32::NAN).expect("alloc");
+    let neg = be.upload(&[-1]).expect("up");
+    let e = rope_table(&be, &neg, &mut table, &p).expect_err("negative");
+    assert!(
+        matches!(
+            e,
+            OpsError::Value {
+                tensor: "start_pos",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(be.download(&table).expect("dl").iter().all(|a| a.is_nan()));
+    let odd = QkvParams { head_dim: 3, ..p };
+    let e = rope_table(&be, &neg, &mut table, &odd).expect_err("odd d");
+    assert!(
+        matches!(
+            e,
+            OpsError::Param {
+                param: "head_dim",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}

@@ -23,7 +23,7 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
-mod reference;
+pub(crate) mod reference;
 #[cfg(test)]
 mod tests;
 

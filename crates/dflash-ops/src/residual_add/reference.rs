@@ -10,7 +10,7 @@ pub(super) fn add(x: &[bf16], y: &[bf16], out: &mut [bf16]) {
     }
 }
 
-pub(super) fn add_inplace(x: &mut [bf16], y: &[bf16]) {
+pub(crate) fn add_inplace(x: &mut [bf16], y: &[bf16]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a = bf16_rne_f64(f64::from(a.to_f32()) + f64::from(b.to_f32()));
     }

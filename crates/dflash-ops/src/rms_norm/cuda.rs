@@ -30,6 +30,27 @@ impl RmsInput for f32 {
     const KERNEL: &'static str = "rms_norm_f32";
 }
 
+/// One block of [`THREADS`] per row, and `h` as the kernels' int; None when there is no work.
+fn row_config(caller: &'static str, rows: usize, h: usize) -> Result<Option<(LaunchConfig, i32)>> {
+    if rows == 0 || h == 0 {
+        return Ok(None);
+    }
+    let too_big = |param: &'static str, v: usize| OpsError::Param {
+        op: caller,
+        param,
+        expected: "at most i32::MAX on CUDA".into(),
+        found: v.to_string(),
+    };
+    let grid = i32::try_from(rows).map_err(|_| too_big("rows", rows))? as u32;
+    let h_i = i32::try_from(h).map_err(|_| too_big("hidden", h))?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok(Some((cfg, h_i)))
+}
+
 /// Queue the norm of `rows` rows of `h` elements: `y = bf16_rne(w * x / sqrt(mean(x^2)+eps))`.
 /// The caller has checked `x.len() >= rows*h`, `w.len() >= h`, `y.len() >= rows*h`; `caller`
 /// names the op in errors.
@@ -43,23 +64,10 @@ pub(crate) fn launch<T: RmsInput>(
     h: usize,
     eps: f32,
 ) -> Result<()> {
-    if rows == 0 || h == 0 {
+    let Some((cfg, h_i)) = row_config(caller, rows, h)? else {
         return Ok(());
-    }
-    let too_big = |param: &'static str, v: usize| OpsError::Param {
-        op: caller,
-        param,
-        expected: "at most i32::MAX on CUDA".into(),
-        found: v.to_string(),
     };
-    let grid = i32::try_from(rows).map_err(|_| too_big("rows", rows))? as u32;
-    let h_i = i32::try_from(h).map_err(|_| too_big("hidden", h))?;
     let f = c.function(OP, SOURCE, T::KERNEL)?;
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let mut b = c.stream().launch_builder(&f);
     b.arg(x);
     b.arg(w);
@@ -69,5 +77,34 @@ pub(crate) fn launch<T: RmsInput>(
     // SAFETY: argument types and order match rms_norm_bf16 / rms_norm_f32; the caller checked
     // every length; each block touches only its own row.
     unsafe { b.launch(cfg) }.map_err(cuda_err(format!("{caller}: launching {}", T::KERNEL)))?;
+    Ok(())
+}
+
+/// Queue the residual form: `x <- bf16_rne(x + delta)`, `y = norm(x)`, over `rows` rows of
+/// `h` elements (lengths checked by the caller).
+pub(super) fn launch_residual(
+    c: &CudaBackend,
+    x: &mut CudaSlice<bf16>,
+    delta: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    y: &mut CudaSlice<bf16>,
+    rows: usize,
+    h: usize,
+    eps: f32,
+) -> Result<()> {
+    let Some((cfg, h_i)) = row_config(OP, rows, h)? else {
+        return Ok(());
+    };
+    let f = c.function(OP, SOURCE, "rms_norm_residual_bf16")?;
+    let mut b = c.stream().launch_builder(&f);
+    b.arg(x);
+    b.arg(delta);
+    b.arg(w);
+    b.arg(y);
+    b.arg(&h_i);
+    b.arg(&eps);
+    // SAFETY: argument types and order match rms_norm_residual_bf16; the caller checked every
+    // length; each block reads and writes only its own row of x, delta and y.
+    unsafe { b.launch(cfg) }.map_err(cuda_err("launching rms_norm_residual_bf16"))?;
     Ok(())
 }

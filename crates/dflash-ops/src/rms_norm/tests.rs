@@ -111,6 +111,76 @@ fn bad_inputs_are_refused_without_writing() {
     );
 }
 
+#[test]
+fn residual_form_is_the_add_then_the_norm_bit_for_bit() {
+    let be = Backend::cpu();
+    let mut g = SplitMix::new(9);
+    let (rows, h) = (3, 41);
+    let x0 = g.bf16_vec(rows * h, -4.0, 4.0);
+    let delta = g.bf16_vec(rows * h, -4.0, 4.0);
+    let w = g.bf16_vec(h, -2.0, 2.0);
+    let p = RmsNormParams {
+        rows,
+        hidden: h,
+        eps: 1e-6,
+    };
+    let (db, wb) = (be.upload(&delta).expect("up"), be.upload(&w).expect("up"));
+    let mut x = be.upload(&x0).expect("up");
+    let mut y = be.filled(rows * h, bf16::POISON).expect("alloc");
+    run_residual(&be, &mut x, &db, &wb, &mut y, &p).expect("run");
+    // The unfused sequence.
+    let mut x2 = be.upload(&x0).expect("up");
+    crate::residual_add::run_inplace(
+        &be,
+        &mut x2,
+        &db,
+        &crate::residual_add::ResidualAddParams { n: rows * h },
+    )
+    .expect("add");
+    let x2h = be.download(&x2).expect("dl");
+    assert_eq!(bits(&be.download(&x).expect("dl")), bits(&x2h));
+    assert_eq!(
+        bits(&be.download(&y).expect("dl")),
+        bits(&norm(&x2h, &w, rows, 1e-6))
+    );
+    // The sum really happened (a wrong form that normalized x0 would differ).
+    assert_ne!(bits(&x2h), bits(&x0));
+}
+
+#[test]
+fn residual_form_refuses_a_short_delta_without_writing() {
+    let be = Backend::cpu();
+    let x0 = b(&[1.0; 6]);
+    let mut x = be.upload(&x0).expect("up");
+    let delta = be.upload(&b(&[1.0; 5])).expect("up");
+    let w = be.upload(&b(&[1.0; 3])).expect("up");
+    let mut y = be.filled(6, bf16::POISON).expect("alloc");
+    let p = RmsNormParams {
+        rows: 2,
+        hidden: 3,
+        eps: 1e-6,
+    };
+    let e = run_residual(&be, &mut x, &delta, &w, &mut y, &p).expect_err("delta short");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "delta",
+                expected: 6,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(bits(&be.download(&x).expect("dl")), bits(&x0));
+    assert!(
+        be.download(&y)
+            .expect("dl")
+            .iter()
+            .all(|v| v.to_bits() == bf16::POISON.to_bits())
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
