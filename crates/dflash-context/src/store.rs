@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 
 use dflash_ops::context_kv_materialize::{self, CacheLayout, MaterializeParams};
 use dflash_ops::feature_projection::{self, FeatureProjectionParams};
-use dflash_ops::{Backend, Buffer, Graph, OpsError, bf16, f16};
+use dflash_ops::{Backend, Borrowed, Buffer, Graph, OpsError, bf16, f16};
 
 use crate::image::ImageShape;
 use crate::{
@@ -31,7 +31,7 @@ impl ContextHandle {
 }
 
 /// The weights [`ContextStore::materialize`] needs, bound by the caller (the draft crate).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct MaterializeWeights<'a> {
     /// `fc.weight`: `[H, n_ids * H]` BF16.
     pub fc: &'a Buffer<bf16>,
@@ -41,13 +41,15 @@ pub struct MaterializeWeights<'a> {
     pub layers: Vec<LayerKvWeights<'a>>,
 }
 
-/// One draft layer's context K/V weights.
-#[derive(Debug, Clone, Copy)]
+/// One draft layer's context K/V weights. The projections are views ([`Buffer::view`]), so
+/// they may be rows of a larger bound weight (the draft binds `[q_proj; k_proj; v_proj]` as
+/// one).
+#[derive(Debug)]
 pub struct LayerKvWeights<'a> {
     /// `layers.{i}.self_attn.k_proj.weight`: `[Hkv * D, H]` BF16.
-    pub w_k: &'a Buffer<bf16>,
+    pub w_k: Borrowed<'a, bf16>,
     /// `layers.{i}.self_attn.v_proj.weight`: `[Hkv * D, H]` BF16.
-    pub w_v: &'a Buffer<bf16>,
+    pub w_v: Borrowed<'a, bf16>,
     /// `layers.{i}.self_attn.k_norm.weight`: `[D]` BF16.
     pub key_norm: &'a Buffer<bf16>,
 }
@@ -308,8 +310,8 @@ fn write_chunks(
             let res = context_kv_materialize::run_with_scratch(
                 be,
                 chunk.c,
-                lw.w_k,
-                lw.w_v,
+                &lw.w_k,
+                &lw.w_v,
                 lw.key_norm,
                 chunk.start_buf,
                 chunk.count_buf,
@@ -910,8 +912,8 @@ impl ContextStore {
         }
         for (i, l) in w.layers.iter().enumerate() {
             let shape = format!("[Hkv*D={kvw}, H={h}]");
-            check(format!("layers[{i}].w_k"), l.w_k, kvw * h, shape.clone())?;
-            check(format!("layers[{i}].w_v"), l.w_v, kvw * h, shape)?;
+            check(format!("layers[{i}].w_k"), &l.w_k, kvw * h, shape.clone())?;
+            check(format!("layers[{i}].w_v"), &l.w_v, kvw * h, shape)?;
             check(
                 format!("layers[{i}].key_norm"),
                 l.key_norm,

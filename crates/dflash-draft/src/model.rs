@@ -125,7 +125,7 @@ impl DraftModel {
     /// Materialize the request's pending features (before a proposal, a checkpoint, a fork).
     pub fn materialize(&self, store: &mut ContextStore, h: ContextHandle) -> Result<()> {
         self.check_store(store)?;
-        store.materialize(h, &self.weights.materialize_weights())?;
+        store.materialize(h, &self.weights.materialize_weights(&self.be)?)?;
         Ok(())
     }
 
@@ -138,7 +138,7 @@ impl DraftModel {
         handles: &[ContextHandle],
     ) -> Result<()> {
         self.check_store(store)?;
-        store.materialize_round(handles, &self.weights.materialize_weights())?;
+        store.materialize_round(handles, &self.weights.materialize_weights(&self.be)?)?;
         Ok(())
     }
 
@@ -146,7 +146,7 @@ impl DraftModel {
     /// graph ([`ContextStore::capture_round`]); `false` where it stays eager.
     pub fn capture_materialize(&self, store: &mut ContextStore) -> Result<bool> {
         self.check_store(store)?;
-        Ok(store.capture_round(&self.weights.materialize_weights())?)
+        Ok(store.capture_round(&self.weights.materialize_weights(&self.be)?)?)
     }
 
     /// Stage, run and read back one round: [`DraftModel::stage`], [`DraftModel::run_block`],
@@ -466,31 +466,55 @@ impl DraftModel {
                 hidden,
             },
         )?;
-        for (l, lw) in self.weights.layers.iter().enumerate() {
+        // The block's RoPE angles, shared by every layer's Q/K.
+        head_norm_rope::rope_table(be, &ws.frontiers, &mut ws.angles, &self.qkv_params(rows, w))?;
+        let layers = &self.weights.layers;
+        // DFlash: whether `ws.n` already holds this layer's input norm (the previous layer's
+        // last residual add is fused with it).
+        let mut normed = false;
+        for (l, lw) in layers.iter().enumerate() {
             let pool = store.layer(l)?;
             match (&lw.attention_conv, &lw.mlp_conv) {
                 (None, None) => {
                     // DFlash: y = x + W_o attn(norm(x)); x_next = y + W_down(swiglu(...)).
-                    rms_norm::run(be, &ws.x, &lw.input_norm, &mut ws.n, &norm_p)?;
+                    if !normed {
+                        rms_norm::run(be, &ws.x, &lw.input_norm, &mut ws.n, &norm_p)?;
+                    }
                     self.attention(l, lw, pool, ws)?;
                     gemm::run_bf16(be, &ws.attn, &lw.o_proj, &mut ws.o, &gm(hidden, hq * d))?;
-                    residual_add::run_inplace(
+                    rms_norm::run_residual(
                         be,
                         &mut ws.x,
                         &ws.o,
-                        &residual_add::ResidualAddParams { n: tokens * hidden },
+                        &lw.post_attention_norm,
+                        &mut ws.n,
+                        &norm_p,
                     )?;
-                    rms_norm::run(be, &ws.x, &lw.post_attention_norm, &mut ws.n, &norm_p)?;
                     mlp(be, lw, ws, tokens, hidden, inter)?;
-                    residual_add::run_inplace(
-                        be,
-                        &mut ws.x,
-                        &ws.o,
-                        &residual_add::ResidualAddParams { n: tokens * hidden },
-                    )?;
+                    let next = layers
+                        .get(l + 1)
+                        .filter(|nl| nl.attention_conv.is_none() && nl.mlp_conv.is_none());
+                    normed = next.is_some();
+                    match next {
+                        Some(nl) => rms_norm::run_residual(
+                            be,
+                            &mut ws.x,
+                            &ws.o,
+                            &nl.input_norm,
+                            &mut ws.n,
+                            &norm_p,
+                        )?,
+                        None => residual_add::run_inplace(
+                            be,
+                            &mut ws.x,
+                            &ws.o,
+                            &residual_add::ResidualAddParams { n: tokens * hidden },
+                        )?,
+                    }
                 }
                 (Some(ac), Some(mc)) => {
                     // DFlash2: the convolution's prepare normalizes internally.
+                    normed = false;
                     dynamic_grouped_conv::prepare(
                         be,
                         &ws.x,
@@ -643,8 +667,22 @@ impl DraftModel {
         Ok(())
     }
 
-    /// Q/K/V projections of `ws.n`, head norms and RoPE at `F + column`, and the layer's
-    /// attention over context + block into `ws.attn`.
+    /// The fused Q/K/V form's parameters for `rows` requests of this workspace shape.
+    fn qkv_params(&self, rows: usize, w: usize) -> head_norm_rope::QkvParams {
+        let g = &self.geometry;
+        head_norm_rope::QkvParams {
+            rows,
+            cols: w,
+            q_heads: g.q_heads as usize,
+            kv_heads: g.kv_heads as usize,
+            head_dim: g.head_dim as usize,
+            eps: g.rms_norm_eps as f32,
+            theta: g.rope_theta,
+        }
+    }
+
+    /// Q/K/V projections of `ws.n` (one GEMM), head norms and RoPE at `F + column` (angles
+    /// from `ws.angles`), and the layer's attention over context + block into `ws.attn`.
     fn attention(
         &self,
         l: usize,
@@ -662,32 +700,30 @@ impl DraftModel {
             g.kv_heads as usize,
             g.head_dim as usize,
         );
-        let eps = g.rms_norm_eps as f32;
-        let gm = |n: usize| gemm::GemmParams {
-            m: tokens,
-            n,
-            k: hidden,
-        };
-        let hp = |heads: usize| head_norm_rope::HeadNormRopeParams {
-            rows,
-            cols: w,
-            heads,
-            head_dim: d,
-            eps,
-            theta: g.rope_theta,
-        };
-        gemm::run_f32(be, &ws.n, &lw.q_proj, &mut ws.q_raw, &gm(hq * d))?;
-        head_norm_rope::run(be, &ws.q_raw, &lw.q_norm, &ws.frontiers, &mut ws.q, &hp(hq))?;
-        gemm::run_f32(be, &ws.n, &lw.k_proj, &mut ws.k_raw, &gm(hkv * d))?;
-        head_norm_rope::run(
+        gemm::run_f32(
             be,
-            &ws.k_raw,
-            &lw.k_norm,
-            &ws.frontiers,
-            &mut ws.k_blk,
-            &hp(hkv),
+            &ws.n,
+            &lw.qkv_proj,
+            &mut ws.qkv_raw,
+            &gemm::GemmParams {
+                m: tokens,
+                n: (hq + 2 * hkv) * d,
+                k: hidden,
+            },
         )?;
-        gemm::run_bf16(be, &ws.n, &lw.v_proj, &mut ws.v, &gm(hkv * d))?;
+        head_norm_rope::run_qkv(
+            be,
+            &ws.qkv_raw,
+            &lw.q_norm,
+            &lw.k_norm,
+            &ws.angles,
+            head_norm_rope::QkvOut {
+                q: &mut ws.q,
+                k: &mut ws.k_blk,
+                v: &mut ws.v,
+            },
+            &self.qkv_params(rows, w),
+        )?;
         match (g.layers.get(l), pool) {
             (
                 Some(LayerKind::Local { .. }),
@@ -770,7 +806,8 @@ impl DraftModel {
     }
 }
 
-/// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`.
+/// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`: one GEMM against `[gate; up]`, the
+/// fused-layout SwiGLU, the down projection.
 /// The error of a DFlash2 layer run with a workspace that has no convolution scratch.
 fn no_conv_scratch() -> DraftError {
     DraftError::invalid(
@@ -790,15 +827,13 @@ fn mlp(
 ) -> Result<()> {
     let gi = gemm::GemmParams {
         m: tokens,
-        n: inter,
+        n: 2 * inter,
         k: hidden,
     };
-    gemm::run_bf16(be, &ws.n, &lw.gate_proj, &mut ws.gate, &gi)?;
-    gemm::run_bf16(be, &ws.n, &lw.up_proj, &mut ws.up, &gi)?;
-    swiglu::run(
+    gemm::run_bf16(be, &ws.n, &lw.gate_up_proj, &mut ws.gate_up, &gi)?;
+    swiglu::run_fused(
         be,
-        &ws.gate,
-        &ws.up,
+        &ws.gate_up,
         &mut ws.act,
         &swiglu::SwigluParams {
             rows: tokens,
@@ -925,6 +960,7 @@ struct RowLens {
     branch: usize,
     q_width: usize,
     kv_width: usize,
+    head_dim: usize,
     inter: usize,
     /// DFlash2's finish delta `2 * H / 16` (0 for DFlash).
     delta: usize,
@@ -937,8 +973,9 @@ struct RowLens {
 /// allocates nothing. Activations are `[rows, W, ...]` flat (`tokens = rows * W`).
 ///
 /// Bytes (BF16 = 2, F32/I32 = 4): three `[tokens, H]` residual/normalized streams and one
-/// branch output (BF16), `[tokens, Hq*D]` Q raw (F32) + Q + attention output (BF16),
-/// `[tokens, Hkv*D]` K raw (F32) + K + V (BF16), three `[tokens, I]` MLP buffers (BF16),
+/// branch output (BF16), `[tokens, (Hq + 2 Hkv) * D]` fused Q/K/V projection (F32),
+/// `[tokens, D/2]` RoPE angles (F32), `[tokens, Hq*D]` Q + attention output (BF16),
+/// `[tokens, Hkv*D]` K + V (BF16), `[tokens, 2 I]` gate/up and `[tokens, I]` SwiGLU (BF16),
 /// DFlash2's `[tokens, 2*H/16]` finish delta and its convolution scratch (`[2*tokens, H]` BF16
 /// and `[2*tokens, H/4]` F32), two `[rows*K, H]` mask streams, the head's
 /// partials (`workspace_len` of `proposal_argmax` / `unary_topk`: the fused head never stores
@@ -979,15 +1016,17 @@ pub struct Workspace {
     y: Buffer<bf16>,
     n: Buffer<bf16>,
     o: Buffer<bf16>,
-    q_raw: Buffer<f32>,
+    /// The fused Q/K/V projection `[tokens, Hq + 2 Hkv, D]` F32.
+    qkv_raw: Buffer<f32>,
+    /// The block's RoPE angles `[tokens, D/2]` (once per block, for every layer).
+    angles: Buffer<f32>,
     q: Buffer<bf16>,
-    k_raw: Buffer<f32>,
     k_blk: Buffer<bf16>,
     v: Buffer<bf16>,
     attn: Buffer<bf16>,
     attn_workspace: Buffer<f32>,
-    gate: Buffer<bf16>,
-    up: Buffer<bf16>,
+    /// The fused gate/up projection `[tokens, 2 I]` BF16.
+    gate_up: Buffer<bf16>,
     act: Buffer<bf16>,
     finish_delta: Buffer<bf16>,
     /// DFlash2's convolution scratch (None for DFlash).
@@ -1117,6 +1156,7 @@ impl Workspace {
                 branch: if dflash2 { h } else { 0 },
                 q_width: hq * d,
                 kv_width: hkv * d,
+                head_dim: d,
                 inter,
                 delta: if dflash2 { 2 * groups } else { 0 },
                 max_pages: store.capacity().max_pages_per_lane,
@@ -1135,15 +1175,14 @@ impl Workspace {
             y: be.zeros(if dflash2 { tokens * h } else { 0 })?,
             n: be.zeros(tokens * h)?,
             o: be.zeros(tokens * h)?,
-            q_raw: be.zeros(tokens * hq * d)?,
+            qkv_raw: be.zeros(tokens * (hq + 2 * hkv) * d)?,
+            angles: be.zeros(tokens * (d / 2))?,
             q: be.zeros(tokens * hq * d)?,
-            k_raw: be.zeros(tokens * hkv * d)?,
             k_blk: be.zeros(tokens * hkv * d)?,
             v: be.zeros(tokens * hkv * d)?,
             attn: be.zeros(tokens * hq * d)?,
             attn_workspace: be.zeros(attn_ws)?,
-            gate: be.zeros(tokens * inter)?,
-            up: be.zeros(tokens * inter)?,
+            gate_up: be.zeros(tokens * 2 * inter)?,
             act: be.zeros(tokens * inter)?,
             finish_delta: be.zeros(if dflash2 { tokens * 2 * groups } else { 0 })?,
             conv_scratch: if dflash2 {
@@ -1212,8 +1251,7 @@ impl Workspace {
             (&mut self.attn, tokens * l.q_width),
             (&mut self.k_blk, tokens * l.kv_width),
             (&mut self.v, tokens * l.kv_width),
-            (&mut self.gate, tokens * l.inter),
-            (&mut self.up, tokens * l.inter),
+            (&mut self.gate_up, tokens * 2 * l.inter),
             (&mut self.act, tokens * l.inter),
             (&mut self.finish_delta, tokens * l.delta),
             (&mut self.mask_raw, cols * l.hidden),
@@ -1221,8 +1259,9 @@ impl Workspace {
         ] {
             buf.set_len(len)?;
         }
-        self.q_raw.set_len(tokens * l.q_width)?;
-        self.k_raw.set_len(tokens * l.kv_width)?;
+        self.qkv_raw
+            .set_len(tokens * (l.q_width + 2 * l.kv_width))?;
+        self.angles.set_len(tokens * (l.head_dim / 2))?;
         for (buf, len) in [
             (&mut self.ids, tokens),
             (&mut self.lanes, m),

@@ -24,21 +24,28 @@
 //! Every missing, unexpected, duplicated, misshaped or non-BF16 tensor is a typed
 //! [`DraftError`] naming it.
 //!
+//! Bound representation. The block forward reads a layer's query, key and value projections
+//! as ONE weight, the published `q_proj`, `k_proj` and `v_proj` concatenated by rows at load
+//! ([`LayerWeights::qkv_proj`], `[(Hq + 2 Hkv) * D, H]`: one GEMM a layer instead of three),
+//! and `gate_proj` / `up_proj` likewise ([`LayerWeights::gate_up_proj`], `[2 I, H]`). The
+//! published tensors stay the source: the values are theirs, bit for bit, and each part is
+//! readable on its own as a view ([`LayerWeights::k_proj`], ...).
+//!
 //! Logical roles. The stored `k_proj` / `v_proj` serve two roles: the query-block K/V (the
 //! block forward) and the context K/V (prefill and materialize). [`RoleBinding`] chooses the
 //! context role's representation on its own: [`RoleBinding::Shared`] binds it to the very
-//! buffers of the block role (one device copy, as the official recipes do);
-//! [`RoleBinding::Separate`] uploads a second, independent device copy of the same stored BF16
-//! data. Both compute identical values; `Separate` only lets an embedder place, replace or free
-//! one role's buffer without touching the other. No other representation (quantized, fused,
-//! transposed) is implemented.
+//! memory of the block role (the k / v rows of `qkv_proj`: one device copy, as the official
+//! recipes do); [`RoleBinding::Separate`] uploads a second, independent device copy of the
+//! same stored BF16 data. Both compute identical values; `Separate` only lets an embedder
+//! place, replace or free one role's buffer without touching the other. No other
+//! representation (quantized, transposed) is implemented.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use dflash_config::{Backend as DraftBackend, Geometry};
 use dflash_context::{LayerKvWeights, MaterializeWeights};
-use dflash_ops::{Backend, Buffer, bf16};
+use dflash_ops::{Backend, Borrowed, Buffer, bf16};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::{DraftError, Result};
@@ -422,22 +429,17 @@ pub struct LayerWeights {
     pub input_norm: Buffer<bf16>,
     /// `post_attention_layernorm.weight` `[H]`.
     pub post_attention_norm: Buffer<bf16>,
-    /// `q_proj.weight` `[Hq*D, H]`.
-    pub q_proj: Buffer<bf16>,
-    /// Query-block role of `k_proj.weight` `[Hkv*D, H]`.
-    pub k_proj: Buffer<bf16>,
-    /// Query-block role of `v_proj.weight` `[Hkv*D, H]`.
-    pub v_proj: Buffer<bf16>,
+    /// `q_proj.weight`, then the query-block role of `k_proj.weight` and `v_proj.weight`,
+    /// concatenated by rows: `[(Hq + 2 Hkv) * D, H]`.
+    pub qkv_proj: Buffer<bf16>,
     /// `o_proj.weight` `[H, Hq*D]`.
     pub o_proj: Buffer<bf16>,
     /// `q_norm.weight` `[D]`.
     pub q_norm: Buffer<bf16>,
     /// `k_norm.weight` `[D]` (both roles: the key norm is part of the same contract).
     pub k_norm: Buffer<bf16>,
-    /// `gate_proj.weight` `[I, H]`.
-    pub gate_proj: Buffer<bf16>,
-    /// `up_proj.weight` `[I, H]`.
-    pub up_proj: Buffer<bf16>,
+    /// `gate_proj.weight` then `up_proj.weight`, concatenated by rows: `[2 I, H]`.
+    pub gate_up_proj: Buffer<bf16>,
     /// `down_proj.weight` `[H, I]`.
     pub down_proj: Buffer<bf16>,
     /// Context role of `k_proj` / `v_proj` when bound [`RoleBinding::Separate`].
@@ -446,17 +448,45 @@ pub struct LayerWeights {
     pub attention_conv: Option<ConvWeights>,
     /// DFlash2: `mlp_conv` (None for DFlash).
     pub mlp_conv: Option<ConvWeights>,
+    /// Elements of `q_proj` (`Hq * D * H`): where `k_proj` starts in `qkv_proj`.
+    q_len: usize,
+    /// Elements of `k_proj` and of `v_proj` each (`Hkv * D * H`).
+    kv_len: usize,
 }
 
 impl LayerWeights {
-    /// The context role's K projection.
-    pub fn context_k(&self) -> &Buffer<bf16> {
-        self.context_kv.as_ref().map_or(&self.k_proj, |(k, _)| k)
+    /// `q_proj.weight` `[Hq*D, H]`: the first rows of [`Self::qkv_proj`].
+    pub fn q_proj<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
+        Ok(self.qkv_proj.view(be, 0, self.q_len)?)
     }
 
-    /// The context role's V projection.
-    pub fn context_v(&self) -> &Buffer<bf16> {
-        self.context_kv.as_ref().map_or(&self.v_proj, |(_, v)| v)
+    /// The query-block role of `k_proj.weight` `[Hkv*D, H]`: rows of [`Self::qkv_proj`].
+    pub fn k_proj<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
+        Ok(self.qkv_proj.view(be, self.q_len, self.kv_len)?)
+    }
+
+    /// The query-block role of `v_proj.weight` `[Hkv*D, H]`: the last rows of
+    /// [`Self::qkv_proj`].
+    pub fn v_proj<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
+        Ok(self
+            .qkv_proj
+            .view(be, self.q_len + self.kv_len, self.kv_len)?)
+    }
+
+    /// The context role's K projection (the block role's rows, or its own copy).
+    pub fn context_k<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
+        match &self.context_kv {
+            Some((k, _)) => Ok(k.view(be, 0, k.len())?),
+            None => self.k_proj(be),
+        }
+    }
+
+    /// The context role's V projection (the block role's rows, or its own copy).
+    pub fn context_v<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
+        match &self.context_kv {
+            Some((_, v)) => Ok(v.view(be, 0, v.len())?),
+            None => self.v_proj(be),
+        }
     }
 }
 
@@ -505,8 +535,10 @@ impl DraftWeights {
         mut read: impl FnMut(&TensorSpec) -> Result<Vec<bf16>>,
     ) -> Result<Self> {
         let specs = expected_tensors(g);
-        let mut up =
-            |name: &str| -> Result<Buffer<bf16>> {
+        // The values of the named tensors, concatenated (one tensor: its values).
+        let mut values = |names: &[&str]| -> Result<Vec<bf16>> {
+            let mut out = Vec::new();
+            for &name in names {
                 let s = specs.iter().find(|s| s.name == name).ok_or_else(|| {
                     DraftError::MissingTensor {
                         name: name.to_owned(),
@@ -523,18 +555,29 @@ impl DraftWeights {
                         found: vec![data.len()],
                     });
                 }
-                Ok(be.upload(&data)?)
-            };
+                if out.is_empty() {
+                    out = data;
+                } else {
+                    out.extend_from_slice(&data);
+                }
+            }
+            Ok(out)
+        };
+        let mut up_rows =
+            |names: &[&str]| -> Result<Buffer<bf16>> { Ok(be.upload(&values(names)?)?) };
+        let (h, d) = (g.hidden as usize, g.head_dim as usize);
+        let (q_len, kv_len) = (g.q_heads as usize * d * h, g.kv_heads as usize * d * h);
         let mut layers = Vec::with_capacity(g.layers.len());
         for l in 0..g.layers.len() {
             let n = |s: &str| format!("layers.{l}.{s}");
+            let mut up = |s: &str| up_rows(&[&n(s)]);
             let mut conv = |branch: &str| -> Result<Option<ConvWeights>> {
                 if g.backend != DraftBackend::DFlash2 {
                     return Ok(None);
                 }
                 Ok(Some(ConvWeights {
-                    base: up(&n(&format!("{branch}.base_kernel")))?,
-                    projection: up(&n(&format!("{branch}.kernel_projection.weight")))?,
+                    base: up(&format!("{branch}.base_kernel"))?,
+                    projection: up(&format!("{branch}.kernel_projection.weight"))?,
                 }))
             };
             let attention_conv = conv("attention_conv")?;
@@ -542,27 +585,34 @@ impl DraftWeights {
             let context_kv = match opts.context_kv {
                 RoleBinding::Shared => None,
                 RoleBinding::Separate => Some((
-                    up(&n("self_attn.k_proj.weight"))?,
-                    up(&n("self_attn.v_proj.weight"))?,
+                    up("self_attn.k_proj.weight")?,
+                    up("self_attn.v_proj.weight")?,
                 )),
             };
+            let qkv_proj = up_rows(&[
+                &n("self_attn.q_proj.weight"),
+                &n("self_attn.k_proj.weight"),
+                &n("self_attn.v_proj.weight"),
+            ])?;
+            let gate_up_proj = up_rows(&[&n("mlp.gate_proj.weight"), &n("mlp.up_proj.weight")])?;
+            let mut up = |s: &str| up_rows(&[&n(s)]);
             layers.push(LayerWeights {
-                input_norm: up(&n("input_layernorm.weight"))?,
-                post_attention_norm: up(&n("post_attention_layernorm.weight"))?,
-                q_proj: up(&n("self_attn.q_proj.weight"))?,
-                k_proj: up(&n("self_attn.k_proj.weight"))?,
-                v_proj: up(&n("self_attn.v_proj.weight"))?,
-                o_proj: up(&n("self_attn.o_proj.weight"))?,
-                q_norm: up(&n("self_attn.q_norm.weight"))?,
-                k_norm: up(&n("self_attn.k_norm.weight"))?,
-                gate_proj: up(&n("mlp.gate_proj.weight"))?,
-                up_proj: up(&n("mlp.up_proj.weight"))?,
-                down_proj: up(&n("mlp.down_proj.weight"))?,
+                input_norm: up("input_layernorm.weight")?,
+                post_attention_norm: up("post_attention_layernorm.weight")?,
+                qkv_proj,
+                o_proj: up("self_attn.o_proj.weight")?,
+                q_norm: up("self_attn.q_norm.weight")?,
+                k_norm: up("self_attn.k_norm.weight")?,
+                gate_up_proj,
+                down_proj: up("mlp.down_proj.weight")?,
                 context_kv,
                 attention_conv,
                 mlp_conv,
+                q_len,
+                kv_len,
             });
         }
+        let mut up = |name: &str| up_rows(&[name]);
         let selector = if g.backend == DraftBackend::DFlash2 {
             Some(SelectorWeights {
                 hidden_projection: up("candidate_selector.hidden_projection.weight")?,
@@ -582,20 +632,24 @@ impl DraftWeights {
         })
     }
 
-    /// The weights [`dflash_context::ContextStore::materialize`] needs (the context role).
-    pub fn materialize_weights(&self) -> MaterializeWeights<'_> {
-        MaterializeWeights {
-            fc: &self.fc,
-            hidden_norm: &self.hidden_norm,
-            layers: self
-                .layers
-                .iter()
-                .map(|l| LayerKvWeights {
-                    w_k: l.context_k(),
-                    w_v: l.context_v(),
+    /// The weights [`dflash_context::ContextStore::materialize`] needs (the context role),
+    /// as views on `be`, the backend the weights were bound to.
+    pub fn materialize_weights(&self, be: &Backend) -> Result<MaterializeWeights<'_>> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerKvWeights {
+                    w_k: l.context_k(be)?,
+                    w_v: l.context_v(be)?,
                     key_norm: &l.k_norm,
                 })
-                .collect(),
-        }
+            })
+            .collect::<Result<_>>()?;
+        Ok(MaterializeWeights {
+            fc: &self.fc,
+            hidden_norm: &self.hidden_norm,
+            layers,
+        })
     }
 }

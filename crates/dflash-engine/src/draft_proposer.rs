@@ -396,14 +396,11 @@ fn weight_bytes(model: &DraftModel) -> u64 {
         n += [
             &l.input_norm,
             &l.post_attention_norm,
-            &l.q_proj,
-            &l.k_proj,
-            &l.v_proj,
+            &l.qkv_proj,
             &l.o_proj,
             &l.q_norm,
             &l.k_norm,
-            &l.gate_proj,
-            &l.up_proj,
+            &l.gate_up_proj,
             &l.down_proj,
         ]
         .iter()

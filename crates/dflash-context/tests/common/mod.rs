@@ -77,6 +77,7 @@ pub fn tiny_capacity(chunk_cols: usize) -> Capacity {
 
 /// Owned context weights for a geometry.
 pub struct Weights {
+    be: Backend,
     pub fc: Buffer<bf16>,
     pub hidden_norm: Buffer<bf16>,
     pub layers: Vec<(Buffer<bf16>, Buffer<bf16>, Buffer<bf16>)>,
@@ -103,6 +104,7 @@ impl Weights {
             })
             .collect();
         Weights {
+            be: be.clone(),
             fc,
             hidden_norm,
             layers,
@@ -116,7 +118,11 @@ impl Weights {
             layers: self
                 .layers
                 .iter()
-                .map(|(w_k, w_v, key_norm)| LayerKvWeights { w_k, w_v, key_norm })
+                .map(|(w_k, w_v, key_norm)| LayerKvWeights {
+                    w_k: w_k.view(&self.be, 0, w_k.len()).expect("view w_k"),
+                    w_v: w_v.view(&self.be, 0, w_v.len()).expect("view w_v"),
+                    key_norm,
+                })
                 .collect(),
         }
     }
