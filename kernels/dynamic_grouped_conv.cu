@@ -15,26 +15,50 @@ __device__ __forceinline__ float dgc_warp_sum(float v) {
     return v;  // butterfly: every lane holds the identical total
 }
 
-// prepare, step 1 of 3. grid (columns), 256 threads. Per column: inv_rms = 1 / sqrt(mean(x^2)
-// + eps) into inv[col], and the normalized-input products p = norm_w[c] * x[c] (exact in f32:
-// two 8-bit significands) split into two BF16 rows of `split`, hi = bf16(p) at row 2 col and
-// lo = p - hi at row 2 col + 1 (exactly representable: the remaining <= 8 significant bits),
-// so that the BF16 GEMM of step 2 sees p without rounding.
-extern "C" __global__ void __launch_bounds__(256) dynamic_grouped_conv_split_kernel(
+// 8 consecutive BF16 values (16 bytes) at p: every access below is 16-byte aligned (H is a
+// multiple of 16 and device buffers start 16-byte aligned).
+struct DgcVec8 {
+    __nv_bfloat16 v[8];
+};
+__device__ __forceinline__ DgcVec8 dgc_load8(const __nv_bfloat16* p) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    DgcVec8 r;
+    memcpy(&r, &u, 16);
+    return r;
+}
+__device__ __forceinline__ void dgc_store8(__nv_bfloat16* p, const DgcVec8& r) {
+    uint4 u;
+    memcpy(&u, &r, 16);
+    *reinterpret_cast<uint4*>(p) = u;
+}
+
+// prepare, step 1 of 3. grid (columns), blockDim.x a multiple of 32 (at most 1024), 8
+// channels a thread per step. Per column: inv_rms = 1 / sqrt(mean(x^2) + eps) into inv[col],
+// and the normalized-input products p = norm_w[c] * x[c] (exact in f32: two 8-bit
+// significands) split into two BF16 rows of `split`, hi = bf16(p) at row 2 col and lo = p - hi
+// at row 2 col + 1 (exactly representable: the remaining <= 8 significant bits), so that the
+// BF16 GEMM of step 2 sees p without rounding.
+extern "C" __global__ void __launch_bounds__(1024) dynamic_grouped_conv_split_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ norm_w,
     __nv_bfloat16* __restrict__ split, float* __restrict__ inv, int hidden, float eps) {
-    __shared__ float part[8];
+    __shared__ float part[32];
     const u64 col = blockIdx.x;
     const u64 H = (u64)hidden;
     const __nv_bfloat16* xc = x + col * H;
     float s = 0.0f;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
-        const float v = bf2f(xc[c]);
-        s = fmaf(v, v, s);
-        const float p = bf2f(norm_w[c]) * v;
-        const __nv_bfloat16 hi = f2bf(p);
-        split[2 * col * H + c] = hi;
-        split[(2 * col + 1) * H + c] = f2bf(p - bf2f(hi));
+    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
+        const DgcVec8 xv = dgc_load8(xc + c), wv = dgc_load8(norm_w + c);
+        DgcVec8 hi, lo;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float v = bf2f(xv.v[j]);
+            s = fmaf(v, v, s);
+            const float p = bf2f(wv.v[j]) * v;
+            hi.v[j] = f2bf(p);
+            lo.v[j] = f2bf(p - bf2f(hi.v[j]));
+        }
+        dgc_store8(split + 2 * col * H + c, hi);
+        dgc_store8(split + (2 * col + 1) * H + c, lo);
     }
     s = dgc_warp_sum(s);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
@@ -91,21 +115,40 @@ extern "C" __global__ void __launch_bounds__(256) dynamic_grouped_conv_apply_ker
     }
 }
 
-// Elementwise over rows * cols * H: out = bf16(residual + (base[1,0,c] + fd[i,0,g]) * z[i,c]
-// + 1{i>=1} (base[1,1,c] + fd[i,1,g]) * z[i-1,c]); the convolved value is not rounded.
+// grid (columns, ceil(H / (8 * blockDim.x))), 8 channels (half a group) a thread:
+// out = bf16(residual + (base[1,0,c] + fd[i,0,g]) * z[i,c] + 1{i>=1} (base[1,1,c] + fd[i,1,g])
+// * z[i-1,c]); the convolved value is not rounded.
 extern "C" __global__ void dynamic_grouped_conv_finish_kernel(
-    const __nv_bfloat16* z, const __nv_bfloat16* finish_delta, const __nv_bfloat16* base,
-    const __nv_bfloat16* residual, __nv_bfloat16* out, u64 total, u64 cols, u64 hidden) {
-    const u64 G = hidden / DGC_GROUP;
-    const u64 step = (u64)gridDim.x * blockDim.x;
-    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
-        const u64 col = e / hidden;
-        const u64 c = e - col * hidden;
-        const u64 i = col % cols;
-        const u64 g = c / DGC_GROUP;
-        const __nv_bfloat16* fd = finish_delta + col * 2 * G;
-        float v = (bf2f(base[2 * hidden + c]) + bf2f(fd[g])) * bf2f(z[e]);
-        if (i >= 1) v = fmaf(bf2f(base[3 * hidden + c]) + bf2f(fd[G + g]), bf2f(z[e - hidden]), v);
-        out[e] = f2bf(bf2f(residual[e]) + v);
+    const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ finish_delta,
+    const __nv_bfloat16* __restrict__ base, const __nv_bfloat16* __restrict__ residual,
+    __nv_bfloat16* __restrict__ out, int cols, int hidden) {
+    const u64 col = blockIdx.x;
+    const int i = (int)(col % (u64)cols);
+    const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c0 >= hidden) return;
+    const u64 H = (u64)hidden;
+    const int G = hidden / DGC_GROUP;
+    const int g = c0 / DGC_GROUP;
+    const __nv_bfloat16* fd = finish_delta + col * (u64)(2 * G);
+    const float f0 = bf2f(fd[g]);
+    const u64 e = col * H + c0;
+    const DgcVec8 zv = dgc_load8(z + e), rv = dgc_load8(residual + e), b0 = dgc_load8(base + 2 * H + c0);
+    DgcVec8 o;
+    if (i >= 1) {
+        const float f1 = bf2f(fd[G + g]);
+        const DgcVec8 zp = dgc_load8(z + e - H), b1 = dgc_load8(base + 3 * H + c0);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float v = (bf2f(b0.v[j]) + f0) * bf2f(zv.v[j]);
+            v = fmaf(bf2f(b1.v[j]) + f1, bf2f(zp.v[j]), v);
+            o.v[j] = f2bf(bf2f(rv.v[j]) + v);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float v = (bf2f(b0.v[j]) + f0) * bf2f(zv.v[j]);
+            o.v[j] = f2bf(bf2f(rv.v[j]) + v);
+        }
     }
+    dgc_store8(out + e, o);
 }

@@ -1,10 +1,13 @@
 //! CUDA launcher of `dynamic_grouped_conv` (kernels/dynamic_grouped_conv.cu).
 //!
-//! prepare = three launches on the stream: `_split` (one block per column) writes the inverse
-//! RMS and the exact hi/lo BF16 split of the normalized-input products into the scratch; one
-//! GEMM (the gemm helper) projects those `2 * columns` rows on `w_delta` (f32 increments);
-//! `_apply` (grid columns x ceil(H / 2048)) writes `prepared` and `finish_delta`. finish = one
-//! elementwise kernel.
+//! prepare = three launches on the stream: `_split` (one block per column, 8 channels a thread
+//! per step) writes the inverse RMS and the exact hi/lo BF16 split of the normalized-input
+//! products into the scratch; one GEMM (the gemm helper) projects those `2 * columns` rows on
+//! `w_delta` (f32 increments); `_apply` (grid columns x ceil(H / 2048)) writes `prepared` and
+//! `finish_delta`. finish = one elementwise kernel (grid columns x ceil(H / 2048), 8 channels
+//! a thread). The split and finish kernels access 8 channels as one 16-byte word: H is a
+//! multiple of 16 (checked) and every device buffer starts 16-byte aligned (allocations are
+//! 256-byte aligned; borrowed views are checked for 16).
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -19,10 +22,14 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
     "/../../kernels/dynamic_grouped_conv.cu"
 ));
 
-/// Threads per block of every kernel.
+/// Threads per block of the apply and finish kernels.
 const THREADS: u32 = 256;
-/// Channels one `_apply` block covers (8 per thread).
+/// Channels one `_apply` or `_finish` block covers (8 per thread).
 const APPLY_CHANNELS: usize = 8 * THREADS as usize;
+/// Threads of a `_split` block: one 8-channel step for H up to 8192 (the 27B's 5120 in one).
+fn split_threads(hidden: usize) -> u32 {
+    (hidden.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32
+}
 
 fn limit(param: &'static str, ok: bool, found: usize, expected: &str) -> Result<()> {
     if ok {
@@ -75,7 +82,7 @@ pub(super) fn prepare(
         let f = c.function(OP, SOURCE, "dynamic_grouped_conv_split_kernel")?;
         let cfg = LaunchConfig {
             grid_dim: (columns as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (split_threads(p.hidden), 1, 1),
             shared_mem_bytes: 0,
         };
         let raw_d = raw.device_mut(OP, "scratch.raw")?;
@@ -146,11 +153,11 @@ pub(super) fn finish(
         return Ok(());
     }
     let f = c.function(OP, SOURCE, "dynamic_grouped_conv_finish_kernel")?;
-    let (total_u64, cols_u64, hidden_u64) = (total as u64, p.cols as u64, p.hidden as u64);
+    let (cols_i, hidden_i) = (p.cols as i32, p.hidden as i32);
     let cfg = LaunchConfig {
         grid_dim: (
-            total.div_ceil(THREADS as usize).clamp(1, 65_536) as u32,
-            1,
+            (p.rows * p.cols) as u32,
+            p.hidden.div_ceil(APPLY_CHANNELS) as u32,
             1,
         ),
         block_dim: (THREADS, 1, 1),
@@ -162,9 +169,8 @@ pub(super) fn finish(
     b.arg(base.device(OP, "base")?);
     b.arg(residual.device(OP, "residual")?);
     b.arg(out.device_mut(OP, "out")?);
-    b.arg(&total_u64);
-    b.arg(&cols_u64);
-    b.arg(&hidden_u64);
+    b.arg(&cols_i);
+    b.arg(&hidden_i);
     // SAFETY: argument types and count match dynamic_grouped_conv_finish_kernel; lengths
     // checked by `finish`.
     unsafe { b.launch(cfg) }.map_err(cuda_err("launching dynamic_grouped_conv_finish_kernel"))?;

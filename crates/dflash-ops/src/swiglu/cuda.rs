@@ -22,15 +22,36 @@ pub(super) fn run(
     out: &mut Buffer<bf16>,
     p: &SwigluParams,
 ) -> Result<()> {
-    let n = p.rows * p.inter; // checked by `run`
-    if n == 0 {
+    if p.rows == 0 || p.inter == 0 {
         return Ok(());
     }
     let f = c.function(OP, SOURCE, "swiglu_kernel")?;
-    let (n_u64, inter_u64, stride_u64, off_u64) =
-        (n as u64, p.inter as u64, stride as u64, up_off as u64);
+    let too_big = |param: &'static str, v: usize| crate::OpsError::Param {
+        op: OP,
+        param,
+        expected: "at most i32::MAX on CUDA".into(),
+        found: v.to_string(),
+    };
+    let inter = i32::try_from(p.inter).map_err(|_| too_big("inter", p.inter))?;
+    let rows = u32::try_from(p.rows)
+        .ok()
+        .filter(|&r| r <= i32::MAX as u32)
+        .ok_or_else(|| too_big("rows", p.rows))?;
+    // 8 channels a thread; 16-byte accesses where every row start of every tensor is
+    // 16-byte aligned (the allocations are).
+    const PER_BLOCK: usize = 256 * 8;
+    let aligned = |a: u64| a.is_multiple_of(16);
+    let vec = i32::from(
+        [p.inter, stride, up_off]
+            .iter()
+            .all(|v| v.is_multiple_of(8))
+            && aligned(gate.address())
+            && aligned(up.address())
+            && aligned(out.address()),
+    );
+    let (stride_u64, off_u64) = (stride as u64, up_off as u64);
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 65_536) as u32, 1, 1),
+        grid_dim: (rows, p.inter.div_ceil(PER_BLOCK) as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -38,12 +59,13 @@ pub(super) fn run(
     b.arg(gate.device(OP, "gate")?);
     b.arg(up.device(OP, "up")?);
     b.arg(out.device_mut(OP, "out")?);
-    b.arg(&n_u64);
-    b.arg(&inter_u64);
+    b.arg(&inter);
     b.arg(&stride_u64);
     b.arg(&off_u64);
+    b.arg(&vec);
     // SAFETY: argument types and count match swiglu_kernel; lengths checked by the caller
-    // (the largest index read is up_off + (rows - 1) * stride + inter - 1 < input length).
+    // (the largest index read is up_off + (rows - 1) * stride + inter - 1 < input length);
+    // `vec` only where every 8-channel group starts 16-byte aligned.
     unsafe { b.launch(cfg) }.map_err(cuda_err("launching swiglu_kernel"))?;
     Ok(())
 }

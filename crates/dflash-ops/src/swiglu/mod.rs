@@ -194,5 +194,8 @@ pub(crate) fn cases() -> Vec<Case> {
         Case::new(OP, "rows2_i6144", case(2, 6144, false, 3)),
         Case::new(OP, "fused_rows16_i17408", case(16, 17408, true, 4)),
         Case::new(OP, "fused_rows3_i37", case(3, 37, true, 5)),
+        // 16-byte groups over two channel blocks of the launch grid; an odd width's tail.
+        Case::new(OP, "fused_rows4_i2056", case(4, 2056, true, 6)),
+        Case::new(OP, "rows5_i2049", case(5, 2049, false, 7)),
     ]
 }
