@@ -3,7 +3,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, cuda_err};
+use crate::cuda::{CudaBackend, cuda_err, slice_address};
 use crate::{Element, OpsError, Result};
 
 use super::OP;
@@ -13,8 +13,15 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
     "/../../kernels/rms_norm.cu"
 ));
 
-/// Threads per row block.
+/// Threads per row block of the one-element-a-step form.
 const THREADS: u32 = 256;
+
+/// Whether the kernels may take 8 elements a step: `h` a multiple of 8 and every tensor's
+/// rows 16-byte aligned (then every row start is: 8 BF16 or F32 elements are 16 or 32
+/// bytes).
+fn vec_ok(h: usize, addresses: &[u64]) -> bool {
+    h.is_multiple_of(8) && addresses.iter().all(|a| a.is_multiple_of(16))
+}
 
 /// An input element type of the norm kernels.
 pub(crate) trait RmsInput: Element {
@@ -30,8 +37,14 @@ impl RmsInput for f32 {
     const KERNEL: &'static str = "rms_norm_f32";
 }
 
-/// One block of [`THREADS`] per row, and `h` as the kernels' int; None when there is no work.
-fn row_config(caller: &'static str, rows: usize, h: usize) -> Result<Option<(LaunchConfig, i32)>> {
+/// One block per row (8 elements a thread and step with `vec`: one step for rows up to 8192
+/// elements; else [`THREADS`]), and `h` as the kernels' int; None when there is no work.
+fn row_config(
+    caller: &'static str,
+    rows: usize,
+    h: usize,
+    vec: bool,
+) -> Result<Option<(LaunchConfig, i32)>> {
     if rows == 0 || h == 0 {
         return Ok(None);
     }
@@ -43,9 +56,14 @@ fn row_config(caller: &'static str, rows: usize, h: usize) -> Result<Option<(Lau
     };
     let grid = i32::try_from(rows).map_err(|_| too_big("rows", rows))? as u32;
     let h_i = i32::try_from(h).map_err(|_| too_big("hidden", h))?;
+    let threads = if vec {
+        (h.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32
+    } else {
+        THREADS
+    };
     let cfg = LaunchConfig {
         grid_dim: (grid, 1, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
     Ok(Some((cfg, h_i)))
@@ -64,9 +82,11 @@ pub(crate) fn launch<T: RmsInput>(
     h: usize,
     eps: f32,
 ) -> Result<()> {
-    let Some((cfg, h_i)) = row_config(caller, rows, h)? else {
+    let vec = vec_ok(h, &[slice_address(x), slice_address(w), slice_address(y)]);
+    let Some((cfg, h_i)) = row_config(caller, rows, h, vec)? else {
         return Ok(());
     };
+    let vec_i = i32::from(vec);
     let f = c.function(OP, SOURCE, T::KERNEL)?;
     let mut b = c.stream().launch_builder(&f);
     b.arg(x);
@@ -74,6 +94,7 @@ pub(crate) fn launch<T: RmsInput>(
     b.arg(y);
     b.arg(&h_i);
     b.arg(&eps);
+    b.arg(&vec_i);
     // SAFETY: argument types and order match rms_norm_bf16 / rms_norm_f32; the caller checked
     // every length; each block touches only its own row.
     unsafe { b.launch(cfg) }.map_err(cuda_err(format!("{caller}: launching {}", T::KERNEL)))?;
@@ -92,9 +113,19 @@ pub(super) fn launch_residual(
     h: usize,
     eps: f32,
 ) -> Result<()> {
-    let Some((cfg, h_i)) = row_config(OP, rows, h)? else {
+    let vec = vec_ok(
+        h,
+        &[
+            slice_address(x),
+            slice_address(delta),
+            slice_address(w),
+            slice_address(y),
+        ],
+    );
+    let Some((cfg, h_i)) = row_config(OP, rows, h, vec)? else {
         return Ok(());
     };
+    let vec_i = i32::from(vec);
     let f = c.function(OP, SOURCE, "rms_norm_residual_bf16")?;
     let mut b = c.stream().launch_builder(&f);
     b.arg(x);
@@ -103,6 +134,7 @@ pub(super) fn launch_residual(
     b.arg(y);
     b.arg(&h_i);
     b.arg(&eps);
+    b.arg(&vec_i);
     // SAFETY: argument types and order match rms_norm_residual_bf16; the caller checked every
     // length; each block reads and writes only its own row of x, delta and y.
     unsafe { b.launch(cfg) }.map_err(cuda_err("launching rms_norm_residual_bf16"))?;

@@ -322,6 +322,10 @@ pub(crate) fn cases() -> Vec<Case> {
             case(16, 5120, true, 25),
         ),
         Case::new(OP, "residual_odd_rows5_h33", residual_case(5, 33, 26)),
+        // Past 8192 elements a thread of the 8-wide form takes a second step.
+        Case::new(OP, "rows3_h8200_bf16", case(3, 8200, false, 29)),
+        Case::new(OP, "rows3_h8200_f32", case(3, 8200, true, 30)),
+        Case::new(OP, "residual_rows3_h8200", residual_case(3, 8200, 31)),
         Case::new(
             OP,
             "residual_official_35b_rows16_h2048",
