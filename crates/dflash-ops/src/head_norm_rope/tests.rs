@@ -192,13 +192,7 @@ fn qkv_params(rows: usize, cols: usize, hq: usize, hkv: usize, d: usize) -> QkvP
 type Fused = (Vec<f32>, Vec<bf16>, Vec<bf16>, Vec<bf16>);
 
 /// The fused form on the CPU.
-fn fused(
-    x: &[f32],
-    wq: &[bf16],
-    wk: &[bf16],
-    start: &[i32],
-    p: &QkvParams,
-) -> Result<Fused> {
+fn fused(x: &[f32], wq: &[bf16], wk: &[bf16], start: &[i32], p: &QkvParams) -> Result<Fused> {
     let be = Backend::cpu();
     let (_, table, nq, nkv, _) = p.sizes()?;
     let mut angles = be.filled(table, f32::NAN)?;
