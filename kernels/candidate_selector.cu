@@ -7,12 +7,31 @@
 // the contract's exact order (max, exp, rank-ordered sum, divide, inverse CDF) and publishes
 // the chosen predecessor for the next step. Ids are clamped into [0, vocab) before any
 // codebook read (the CPU validates them; on the device they are the caller's guarantee).
+// Latency: a step's only load that depends on the walk is the predecessor's W_pred row. The
+// candidate's W_succ row does not, so (for rank <= 32 * CS_REGS) each warp holds it in
+// registers, loaded for step i + 1 as soon as its step-i dot product is done, while the
+// decision runs: one dependent DRAM round trip a step instead of two. The sums are formed in
+// the same order either way (lane-strided fmaf, then the butterfly), so the values are too.
 
 #define CS_TOPK 16
 #define CS_THREADS (CS_TOPK * 32)
+#define CS_REGS 16  // W_succ values a lane holds (rank up to 512 in registers)
 
 __device__ __forceinline__ int cs_clamp(int id, int vocab) {
     return id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
+}
+
+// Lane `lane`'s values of candidate `slot`'s W_succ row at column `col`: r = lane + 32 t.
+__device__ __forceinline__ void cs_load_succ(float (&wsr)[CS_REGS], const __nv_bfloat16* __restrict__ w_succ,
+                                             const int* __restrict__ cand_ids, long long col, int slot,
+                                             int lane, int rank, int vocab) {
+    const int c = cs_clamp(cand_ids[col * CS_TOPK + slot], vocab);
+    const __nv_bfloat16* ws = w_succ + (long long)c * rank;
+#pragma unroll
+    for (int t = 0; t < CS_REGS; ++t) {
+        const int r = lane + 32 * t;
+        wsr[t] = r < rank ? bf2f(ws[r]) : 0.0f;
+    }
 }
 
 // grid (rows), block (CS_THREADS), dynamic shared memory rank * sizeof(float).
@@ -36,6 +55,11 @@ candidate_selector_walk(const __nv_bfloat16* __restrict__ g, const int* __restri
     if (tid == 0) s_pred = cs_clamp(anchors[row], vocab);
     __syncthreads();
 
+    // This warp's candidate row of W_succ for column `col`, into registers (in_regs).
+    const bool in_regs = rank <= 32 * CS_REGS;
+    float wsr[CS_REGS];
+    if (in_regs && k > 0) cs_load_succ(wsr, w_succ, cand_ids, row * k, warp, lane, rank, vocab);
+
     for (int i = 0; i < k; ++i) {
         const long long col = row * k + i;
         const __nv_bfloat16* gi = g + col * rank;
@@ -44,10 +68,20 @@ candidate_selector_walk(const __nv_bfloat16* __restrict__ g, const int* __restri
         __syncthreads();
 
         {   // warp == candidate rank (CS_THREADS / 32 == CS_TOPK warps)
-            const int c = cs_clamp(cand_ids[col * CS_TOPK + warp], vocab);
-            const __nv_bfloat16* ws = w_succ + (long long)c * rank;
             float acc = 0.0f;
-            for (int r = lane; r < rank; r += 32) acc = fmaf(s_a[r], bf2f(ws[r]), acc);
+            if (in_regs) {
+#pragma unroll
+                for (int t = 0; t < CS_REGS; ++t) {
+                    const int r = lane + 32 * t;
+                    if (r < rank) acc = fmaf(s_a[r], wsr[t], acc);
+                }
+                // In flight during the decision.
+                if (i + 1 < k) cs_load_succ(wsr, w_succ, cand_ids, col + 1, warp, lane, rank, vocab);
+            } else {
+                const int c = cs_clamp(cand_ids[col * CS_TOPK + warp], vocab);
+                const __nv_bfloat16* ws = w_succ + (long long)c * rank;
+                for (int r = lane; r < rank; r += 32) acc = fmaf(s_a[r], bf2f(ws[r]), acc);
+            }
             #pragma unroll
             for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
             if (lane == 0) s_e[warp] = acc + unary[col * CS_TOPK + warp];

@@ -614,5 +614,11 @@ pub(crate) fn cases() -> Vec<Case> {
             case(official(8, 7), MIXED, 8),
         )
         .heavy(),
+        // Past 512 the CUDA walk reads W_succ rows from memory instead of registers.
+        Case::new(
+            OP,
+            "r520_vocab600_rows3_k5_mixed",
+            case(small(3, 5, 520, 600), MIXED, 9),
+        ),
     ]
 }
