@@ -1,6 +1,6 @@
-//! GPU benchmark of the draft's hot ops and of one whole draft block on the official
-//! geometries (synthetic weights), replayed as CUDA graphs and timed with CUDA events, against
-//! the memory floor.
+//! GPU benchmark of the draft's hot ops, of one whole draft block and of one whole round
+//! (materialize + block) on the official geometries (synthetic weights), replayed as CUDA
+//! graphs and timed with CUDA events, against the memory floor.
 //!
 //! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING] [--shape B,K,CTX]
 //! [--portable]`:
@@ -9,6 +9,9 @@
 //! backend to the portable kernel variants (no sm_90a variants of the heads and attention), for
 //! comparison.
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
+//! `--only SUBSTRING` keeps the groups whose name contains it: `attention`, `head`, `gemm`
+//! (its own report, below), `block`, `round` (`--only round`: the round rows alone, over B in
+//! {1, 8}, K in {7, 15}, context in {2048, 4096}; `--quick`: B in {1, 8} at K = 15, 2048).
 //! `dflash-bench --profile dflash|dflash2 [--shape B,K,CTX]`: two eager draft blocks (default
 //! B=1, K=7, 2048 context) after a warm-up, for Nsight Compute (`ncu --clock-control none ...`).
 //! `dflash-bench --engine-round [--shape B,K,CTX] [--out DIR] [--commit HASH]`: whole engine
@@ -28,7 +31,13 @@
 //!   GEMM). Floor: the head weight read (rows * H * 2 bytes) plus the hidden columns.
 //! - `block`: one draft block (embedding, every layer over a populated context, final norm,
 //!   head; DFlash2 with its selector at T = 0.7). Floor: every weight the block reads plus the
-//!   visible context K/V of every layer.
+//!   visible context K/V of every layer. `block_cublas_gemm`: the same with cuBLAS for every
+//!   GEMM.
+//! - `round`: one graph of a round's draft side: the push and batched materialize of 8 pending
+//!   context rows per request, then the block (head, DFlash2 selector); `cublas_chain`: every
+//!   weight GEMM of that round by plain cuBLAS over weights of the same shapes, one graph.
+//!   Floor: every weight the round reads (the block's and the materialize's) plus the visible
+//!   context K/V. The report adds a table of round / cublas_chain (see `round.rs`).
 //!
 //! Timing: each graph holds `reps` back-to-back calls (inputs rotating), replayed after a
 //! warm-up; the time per call is the median over 7 timed replays (CUDA events).
@@ -42,6 +51,8 @@ mod stand_in;
 mod engine_round;
 #[path = "../report.rs"]
 mod report;
+#[path = "../round.rs"]
+mod round;
 
 use anyhow::{Context, Result, anyhow, bail};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -576,6 +587,23 @@ fn weight_bytes(g: &Geometry) -> u64 {
     elems * 2
 }
 
+/// Bytes of the context K (BF16) and V (F16) that every layer's attention reads for `rows`
+/// requests at frontier `context`: a local layer sees min(context, S - 1) positions, a full
+/// layer all of them.
+fn kv_bytes(g: &Geometry, rows: usize, context: usize) -> u64 {
+    let per_pos = u64::from(g.kv_heads) * u64::from(g.head_dim) * 4;
+    let visible = |lt: &dflash_config::LayerKind| match lt {
+        dflash_config::LayerKind::Local { window } => {
+            context.min((*window as usize).saturating_sub(1))
+        }
+        dflash_config::LayerKind::Full => context,
+    };
+    g.layers
+        .iter()
+        .map(|lt| rows as u64 * visible(lt) as u64 * per_pos)
+        .sum()
+}
+
 /// One official draft on the device with its synthetic target parts.
 struct Setup {
     g: Geometry,
@@ -606,10 +634,15 @@ fn fast_values(s: &dflash_draft::weights::TensorSpec) -> Vec<bf16> {
     pat.iter().copied().cycle().take(n).collect()
 }
 
-fn setup(be: &Backend, backend: DraftBackend) -> Result<Setup> {
+/// The geometry of the official draft of `backend` with its target (no device needed).
+fn official_geometry(backend: DraftBackend) -> Result<Geometry> {
     let (cfg, target) = synthetic::official_pair(backend)?;
     let d = dflash_config::DraftConfig::from_json_str(&cfg, dflash_config::ParseMode::Lenient)?;
-    let g = dflash_config::validate_pair(&d.value, &target)?;
+    Ok(dflash_config::validate_pair(&d.value, &target)?)
+}
+
+fn setup(be: &Backend, backend: DraftBackend) -> Result<Setup> {
+    let g = official_geometry(backend)?;
     let weights = dflash_draft::DraftWeights::from_source(be, &g, &BindOptions::default(), |s| {
         Ok(fast_values(s))
     })?;
@@ -625,22 +658,30 @@ fn setup(be: &Backend, backend: DraftBackend) -> Result<Setup> {
     })
 }
 
-/// A populated context store, a staged workspace and the target parts for one block shape.
+/// A populated context store at frontier `context` and a workspace staged there, for one block
+/// shape. `round: Some(n)`: the store also has round staging for `n` pushed rows per request
+/// ([`ContextStore::with_round_staging`]) and room for two such rounds past the block (the
+/// round benchmark's warm-up and captured materialize).
 fn block_state(
     be: &Backend,
     s: &Setup,
     rows: usize,
     k: usize,
     context: usize,
+    round: Option<usize>,
 ) -> Result<(ContextStore, Workspace, Vec<RowRequest>)> {
     let g = &s.g;
     let model = &s.model;
-    let max_ctx = context + k + 1;
-    let mut store = ContextStore::new(
-        be.clone(),
+    let max_ctx = context + k + 1 + 2 * round.unwrap_or(0);
+    let (geometry, capacity) = (
         model.context_geometry()?,
         Capacity::new(rows, max_ctx, PAGE_SIZE),
-    )?;
+    );
+    let mut store = match round {
+        None => ContextStore::new(be.clone(), geometry, capacity)?,
+        Some(n) => ContextStore::with_round_staging(be.clone(), geometry, capacity, n)
+            .with_context(|| format!("round staging for {n} rows per request"))?,
+    };
     // Prefill in chunks from one device feature block (copied per chunk: prefill takes the
     // features by value).
     let chunk = context.min(4096);
@@ -704,7 +745,7 @@ fn bench_block(
     with_cublas: bool,
 ) -> Result<Vec<Row>> {
     let be = Backend::Cuda(cuda.clone());
-    let (store, mut ws, _reqs) = block_state(&be, s, rows, k, context)?;
+    let (store, mut ws, _reqs) = block_state(&be, s, rows, k, context, None)?;
     let tp = target_parts(s);
     let t = time_graph(cuda, 1, |_| {
         s.model.run_block(&store, &tp, &mut ws).map_err(Into::into)
@@ -720,15 +761,6 @@ fn bench_block(
         None
     };
     let g = &s.g;
-    let kv_per_pos = u64::from(g.kv_heads) * u64::from(g.head_dim) * 4;
-    let mut kv = 0u64;
-    for lt in &g.layers {
-        let vis = match lt {
-            dflash_config::LayerKind::Local { window } => context.min(*window as usize - 1),
-            dflash_config::LayerKind::Full => context,
-        } as u64;
-        kv += rows as u64 * vis * kv_per_pos;
-    }
     let row = |op, median_us| Row {
         op,
         draft: d.name,
@@ -736,7 +768,7 @@ fn bench_block(
         k,
         context,
         median_us,
-        floor_us: floor_us((weight_bytes(g) + kv) as f64),
+        floor_us: floor_us((weight_bytes(g) + kv_bytes(g, rows, context)) as f64),
     };
     let mut out = vec![row("block", t)];
     out.extend(t_blas.map(|t| row("block_cublas_gemm", t)));
@@ -752,7 +784,7 @@ fn profile(cuda: &CudaBackend, which: &str, shape: Option<(usize, usize, usize)>
     };
     let s = setup(&be, backend)?;
     let (b, k, ctx) = shape.unwrap_or((1, 7, 2048));
-    let (store, mut ws, _reqs) = block_state(&be, &s, b, k, ctx)?;
+    let (store, mut ws, _reqs) = block_state(&be, &s, b, k, ctx, None)?;
     let tp = target_parts(&s);
     for _ in 0..2 {
         s.model.run_block(&store, &tp, &mut ws)?;
@@ -943,6 +975,7 @@ fn target(r: &Row, rows: &[Row]) -> Option<(String, bool)> {
                 extra <= 2.0 * extra_floor + 50.0,
             ))
         }
+        round::ROUND => round::target(r, rows),
         _ => None,
     }
 }
@@ -1075,31 +1108,42 @@ fn main() -> Result<()> {
     if wanted("attention") && shape.is_none() {
         log(bench_full(&cuda, &DRAFTS[0], 1, 7, 131_072)?, &mut rows);
     }
-    if wanted("block") {
+    if wanted("block") || wanted(round::ROUND) {
         for d in &DRAFTS {
             let s = setup(&be, d.backend)?;
-            for &(b, k, ctx) in &shapes {
-                for r in bench_block(&cuda, &s, d, b, k, ctx, true)? {
-                    log(r, &mut rows);
+            if wanted("block") {
+                for &(b, k, ctx) in &shapes {
+                    for r in bench_block(&cuda, &s, d, b, k, ctx, true)? {
+                        log(r, &mut rows);
+                    }
+                }
+                if d.backend == DraftBackend::DFlash && shape.is_none() {
+                    for r in bench_block(&cuda, &s, d, 1, 7, 131_072, true)? {
+                        log(r, &mut rows);
+                    }
                 }
             }
-            if d.backend == DraftBackend::DFlash && shape.is_none() {
-                for r in bench_block(&cuda, &s, d, 1, 7, 131_072, true)? {
-                    log(r, &mut rows);
+            if wanted(round::ROUND) {
+                let chain = round::Chain::new(&be, &s.g)
+                    .with_context(|| format!("cuBLAS chain weights of {}", d.name))?;
+                for (b, k, ctx) in round::shapes(shape, quick) {
+                    for r in round::bench_round(&cuda, &s, &chain, d, b, k, ctx)? {
+                        log(r, &mut rows);
+                    }
                 }
             }
         }
     }
     let command = args.join(" ");
     let mut md = format!(
-        "# Performance report: draft attention, proposal heads and the whole block\n\n\
+        "# Performance report: draft attention, proposal heads, the whole block and the round\n\n\
          - date: {}\n- GPU: {} ({}), driver {}, CUDA (driver API) {}\n- commit: {commit}\n\
          - command: `{command}`\n\
          - time: CUDA events around CUDA-graph replays (each graph holds several back-to-back \
          calls; attention inputs rotate over copies of the context larger than the L2 cache); \
          median of 7 replays\n- floor: bytes the op must move / 4.1 TB/s (attention: the visible \
          context K + V plus q, block K/V and output; heads: the head weight read; block: every \
-         weight read plus every layer's visible context K/V)\n\n\
+         weight read plus every layer's visible context K/V)\n{}\n\
          | op | draft | B | K | context | median us | floor us | x floor | target | met |\n\
          |---|---|---|---|---|---|---|---|---|---|\n",
         utc_now(),
@@ -1107,6 +1151,11 @@ fn main() -> Result<()> {
         info.arch,
         driver_version(),
         info.driver_cuda_version,
+        if rows.iter().any(|r| r.op == round::ROUND) {
+            round::HEADER
+        } else {
+            ""
+        },
     );
     for r in &rows {
         let (t, ok) = target(r, &rows).unwrap_or_else(|| ("-".into(), true));
@@ -1130,6 +1179,7 @@ fn main() -> Result<()> {
             }
         ));
     }
+    md.push_str(&round::ratio_table(&rows));
     let json: Vec<serde_json::Value> = rows
         .iter()
         .map(|r| {
