@@ -40,6 +40,26 @@ __device__ __forceinline__ __nv_bfloat16 f2bf(float x) { return __float2bfloat16
 __device__ __forceinline__ float h2f(__half x) { return __half2float(x); }
 __device__ __forceinline__ __half f2h(float x) { return __float2half_rn(x); }
 
+// 8 consecutive BF16 values at a 16-byte aligned address as one 16-byte access: widened to
+// f32 (exact), or rounded from f32 (RNE, as f2bf) and stored.
+__device__ __forceinline__ void df_load8(const __nv_bfloat16* p, float (&v)[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        v[2 * j] = f.x;
+        v[2 * j + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void df_store8(__nv_bfloat16* p, const float (&v)[8]) {
+    uint4 u;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    *reinterpret_cast<uint4*>(p) = u;
+}
+
 // ---- Tensor-core and async-copy helpers (sm_80 and later; inline PTX) ----
 // Fragment layouts of mma.m16n8k16 (g = lane / 4, q = lane % 4): A (16x16, row-major) regs
 // a0 = (g, 2q..2q+1), a1 = (g+8, 2q..), a2 = (g, 8+2q..), a3 = (g+8, 8+2q..); B (16x8, "col":

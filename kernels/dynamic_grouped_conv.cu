@@ -15,22 +15,8 @@ __device__ __forceinline__ float dgc_warp_sum(float v) {
     return v;  // butterfly: every lane holds the identical total
 }
 
-// 8 consecutive BF16 values (16 bytes) at p: every access below is 16-byte aligned (H is a
-// multiple of 16 and device buffers start 16-byte aligned).
-struct DgcVec8 {
-    __nv_bfloat16 v[8];
-};
-__device__ __forceinline__ DgcVec8 dgc_load8(const __nv_bfloat16* p) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    DgcVec8 r;
-    memcpy(&r, &u, 16);
-    return r;
-}
-__device__ __forceinline__ void dgc_store8(__nv_bfloat16* p, const DgcVec8& r) {
-    uint4 u;
-    memcpy(&u, &r, 16);
-    *reinterpret_cast<uint4*>(p) = u;
-}
+// Every 8-channel access below (df_load8 / df_store8, common.cuh) is 16-byte aligned: H is a
+// multiple of 16 and device buffers start 16-byte aligned.
 
 // prepare, step 1 of 3. grid (columns), blockDim.x a multiple of 32 (at most 1024), 8
 // channels a thread per step. Per column: inv_rms = 1 / sqrt(mean(x^2) + eps) into inv[col],
@@ -47,18 +33,18 @@ extern "C" __global__ void __launch_bounds__(1024) dynamic_grouped_conv_split_ke
     const __nv_bfloat16* xc = x + col * H;
     float s = 0.0f;
     for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
-        const DgcVec8 xv = dgc_load8(xc + c), wv = dgc_load8(norm_w + c);
-        DgcVec8 hi, lo;
+        float xv[8], wv[8], hi[8], lo[8];
+        df_load8(xc + c, xv);
+        df_load8(norm_w + c, wv);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float v = bf2f(xv.v[j]);
-            s = fmaf(v, v, s);
-            const float p = bf2f(wv.v[j]) * v;
-            hi.v[j] = f2bf(p);
-            lo.v[j] = f2bf(p - bf2f(hi.v[j]));
+            s = fmaf(xv[j], xv[j], s);
+            const float p = wv[j] * xv[j];
+            hi[j] = bf2f(f2bf(p));  // stored exactly
+            lo[j] = p - hi[j];      // exactly representable in BF16: stored exactly
         }
-        dgc_store8(split + 2 * col * H + c, hi);
-        dgc_store8(split + (2 * col + 1) * H + c, lo);
+        df_store8(split + 2 * col * H + c, hi);
+        df_store8(split + (2 * col + 1) * H + c, lo);
     }
     s = dgc_warp_sum(s);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
@@ -132,23 +118,24 @@ extern "C" __global__ void dynamic_grouped_conv_finish_kernel(
     const __nv_bfloat16* fd = finish_delta + col * (u64)(2 * G);
     const float f0 = bf2f(fd[g]);
     const u64 e = col * H + c0;
-    const DgcVec8 zv = dgc_load8(z + e), rv = dgc_load8(residual + e), b0 = dgc_load8(base + 2 * H + c0);
-    DgcVec8 o;
+    float zv[8], rv[8], b0[8], o[8];
+    df_load8(z + e, zv);
+    df_load8(residual + e, rv);
+    df_load8(base + 2 * H + c0, b0);
     if (i >= 1) {
         const float f1 = bf2f(fd[G + g]);
-        const DgcVec8 zp = dgc_load8(z + e - H), b1 = dgc_load8(base + 3 * H + c0);
+        float zp[8], b1[8];
+        df_load8(z + e - H, zp);
+        df_load8(base + 3 * H + c0, b1);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            float v = (bf2f(b0.v[j]) + f0) * bf2f(zv.v[j]);
-            v = fmaf(bf2f(b1.v[j]) + f1, bf2f(zp.v[j]), v);
-            o.v[j] = f2bf(bf2f(rv.v[j]) + v);
+            float v = (b0[j] + f0) * zv[j];
+            v = fmaf(b1[j] + f1, zp[j], v);
+            o[j] = rv[j] + v;
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float v = (bf2f(b0.v[j]) + f0) * bf2f(zv.v[j]);
-            o.v[j] = f2bf(bf2f(rv.v[j]) + v);
-        }
+        for (int j = 0; j < 8; ++j) o[j] = rv[j] + (b0[j] + f0) * zv[j];
     }
-    dgc_store8(out + e, o);
+    df_store8(out + e, o);
 }

@@ -37,12 +37,16 @@ __device__ __forceinline__ void head_norm_rope_warp_at(const float* __restrict__
     const int lane = threadIdx.x & 31;
     const int hd = d >> 1;  // pairs (j, j + hd)
     float ss = 0.0f;
+    // Unrolled so that a lane's loads of a head (4 for D = 128) are in flight together; the
+    // sum keeps its order.
+#pragma unroll 4
     for (int j = lane; j < d; j += 32) {
         float v = x[j];
         ss += v * v;
     }
     ss = head_norm_rope_warp_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+#pragma unroll 2
     for (int j = lane; j < hd; j += 32) {
         float a = bf2f(w[j]) * (x[j] * inv);
         float b = bf2f(w[j + hd]) * (x[j + hd] * inv);
@@ -136,6 +140,7 @@ extern "C" __global__ void head_norm_rope_qkv(const float* __restrict__ qkv,
         head_norm_rope_warp_at(x, k_norm, k + (t * kv_heads + (h - q_heads)) * (long long)d, d, eps, ang);
     } else {
         __nv_bfloat16* o = v + (t * kv_heads + (h - q_heads - kv_heads)) * (long long)d;
+#pragma unroll 4
         for (int j = threadIdx.x & 31; j < d; j += 32) o[j] = f2bf(x[j]);
     }
 }

@@ -24,15 +24,12 @@ extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate,
     const __nv_bfloat16* u = up + up_off + r * stride + c0;
     __nv_bfloat16* o = out + r * (u64)inter + c0;
     if (vec) {
-        const uint4 gv = *reinterpret_cast<const uint4*>(g);
-        const uint4 uv = *reinterpret_cast<const uint4*>(u);
-        const __nv_bfloat16* gs = reinterpret_cast<const __nv_bfloat16*>(&gv);
-        const __nv_bfloat16* us = reinterpret_cast<const __nv_bfloat16*>(&uv);
-        uint4 ov;
-        __nv_bfloat16* os = reinterpret_cast<__nv_bfloat16*>(&ov);
+        float gv[8], uv[8], ov[8];
+        df_load8(g, gv);
+        df_load8(u, uv);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) os[j] = f2bf(swiglu_silu(bf2f(gs[j])) * bf2f(us[j]));
-        *reinterpret_cast<uint4*>(o) = ov;
+        for (int j = 0; j < 8; ++j) ov[j] = swiglu_silu(gv[j]) * uv[j];
+        df_store8(o, ov);
     } else {
         const int n = min(8, inter - c0);
         for (int j = 0; j < n; ++j) o[j] = f2bf(swiglu_silu(bf2f(g[j])) * bf2f(u[j]));

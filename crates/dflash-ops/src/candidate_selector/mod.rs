@@ -614,7 +614,18 @@ pub(crate) fn cases() -> Vec<Case> {
             case(official(8, 7), MIXED, 8),
         )
         .heavy(),
-        // Past 512 the CUDA walk reads W_succ rows from memory instead of registers.
+        // The CUDA walk's last register slot, partly (500) and wholly (512) used; past 512 it
+        // reads W_succ rows from memory instead of registers.
+        Case::new(
+            OP,
+            "r500_vocab600_rows2_k4_mixed",
+            case(small(2, 4, 500, 600), MIXED, 10),
+        ),
+        Case::new(
+            OP,
+            "r512_vocab600_rows2_k4_mixed",
+            case(small(2, 4, 512, 600), MIXED, 11),
+        ),
         Case::new(
             OP,
             "r520_vocab600_rows3_k5_mixed",

@@ -5,7 +5,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 
-use crate::cuda::{CudaBackend, cuda_err};
+use crate::cuda::{CudaBackend, cuda_err, kernel_int};
 use crate::gemm::cuda::{DeviceGemm, gemm_bf16_device};
 use crate::{Buffer, OpsError, Result};
 
@@ -27,12 +27,7 @@ pub(crate) const SOURCE: &str = concat!(
 const WARPS_PER_BLOCK: usize = 4;
 
 fn int(param: &'static str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| OpsError::Param {
-        op: OP,
-        param,
-        expected: "at most i32::MAX on CUDA".into(),
-        found: v.to_string(),
-    })
+    kernel_int(OP, param, v)
 }
 
 #[allow(clippy::too_many_arguments)] // reason: the op's tensor list plus its workspace

@@ -201,6 +201,43 @@ impl<T> Drop for BorrowedSlice<T> {
     }
 }
 
+/// A non-owning slice of elements `offset..offset + len` of `d` (the caller checked the range
+/// lies inside `d`), on `d`'s own stream: no driver query, the memory being `d`'s. Refused
+/// ([`OpsError::Borrow`]) unless it starts 16-byte aligned, what the kernels assume of every
+/// device buffer.
+pub(crate) fn sub_slice<T>(
+    d: &cudarc::driver::CudaSlice<T>,
+    offset: usize,
+    len: usize,
+) -> Result<BorrowedSlice<T>> {
+    let addr = slice_address(d) + (offset * std::mem::size_of::<T>()) as u64;
+    if len > 0 && !addr.is_multiple_of(16) {
+        return Err(OpsError::Borrow {
+            problem: format!("a view at element {offset} starts at {addr:#x}, not 16-byte aligned"),
+        });
+    }
+    // SAFETY: the range lies inside `d`'s allocation (checked by the caller), which outlives
+    // the view (the view borrows the buffer holding `d`); `BorrowedSlice` never frees it.
+    let slice = unsafe { d.stream().upgrade_device_ptr::<T>(addr, len) };
+    Ok(BorrowedSlice(std::mem::ManuallyDrop::new(slice)))
+}
+
+/// `v` as a kernel's `int` argument, or the op's [`OpsError::Param`] naming `param`.
+pub(crate) fn kernel_int(op: &'static str, param: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| OpsError::Param {
+        op,
+        param,
+        expected: "at most i32::MAX on CUDA".into(),
+        found: v.to_string(),
+    })
+}
+
+/// Threads of a block whose threads take 8 elements a step over a row of `h`: one step for
+/// rows up to 8192 elements (whole warps, 32 to 1024).
+pub(crate) fn eight_wide_threads(h: usize) -> u32 {
+    (h.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
 /// The device address of a cudarc slice.
 pub(crate) fn slice_address<T>(d: &cudarc::driver::CudaSlice<T>) -> u64 {
     use cudarc::driver::DevicePtr;

@@ -25,11 +25,7 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 /// Threads per block of the apply and finish kernels.
 const THREADS: u32 = 256;
 /// Channels one `_apply` or `_finish` block covers (8 per thread).
-const APPLY_CHANNELS: usize = 8 * THREADS as usize;
-/// Threads of a `_split` block: one 8-channel step for H up to 8192 (the 27B's 5120 in one).
-fn split_threads(hidden: usize) -> u32 {
-    (hidden.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32
-}
+const BLOCK_CHANNELS: usize = 8 * THREADS as usize;
 
 fn limit(param: &'static str, ok: bool, found: usize, expected: &str) -> Result<()> {
     if ok {
@@ -82,7 +78,7 @@ pub(super) fn prepare(
         let f = c.function(OP, SOURCE, "dynamic_grouped_conv_split_kernel")?;
         let cfg = LaunchConfig {
             grid_dim: (columns as u32, 1, 1),
-            block_dim: (split_threads(p.hidden), 1, 1),
+            block_dim: (crate::cuda::eight_wide_threads(p.hidden), 1, 1),
             shared_mem_bytes: 0,
         };
         let raw_d = raw.device_mut(OP, "scratch.raw")?;
@@ -114,7 +110,7 @@ pub(super) fn prepare(
     }
     let f = c.function(OP, SOURCE, "dynamic_grouped_conv_apply_kernel")?;
     let cfg = LaunchConfig {
-        grid_dim: (columns as u32, p.hidden.div_ceil(APPLY_CHANNELS) as u32, 1),
+        grid_dim: (columns as u32, p.hidden.div_ceil(BLOCK_CHANNELS) as u32, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -157,7 +153,7 @@ pub(super) fn finish(
     let cfg = LaunchConfig {
         grid_dim: (
             (p.rows * p.cols) as u32,
-            p.hidden.div_ceil(APPLY_CHANNELS) as u32,
+            p.hidden.div_ceil(BLOCK_CHANNELS) as u32,
             1,
         ),
         block_dim: (THREADS, 1, 1),

@@ -140,6 +140,11 @@ pub struct PrepareScratch {
 }
 
 impl PrepareScratch {
+    /// Bytes the scratch allocated (both buffers' capacities).
+    pub fn bytes(&self) -> u64 {
+        (self.split.capacity() * 2 + self.raw.capacity() * 4) as u64
+    }
+
     /// Scratch for `p` on `be`.
     pub fn new(be: &Backend, p: &ConvParams) -> Result<Self> {
         let (split, raw) = Self::lens(p)?;

@@ -3,8 +3,8 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, cuda_err};
-use crate::{Buffer, OpsError, Result};
+use crate::cuda::{CudaBackend, cuda_err, kernel_int};
+use crate::{Buffer, Result};
 
 use super::{HeadNormRopeParams, OP, QkvOut, QkvParams};
 
@@ -18,12 +18,7 @@ const WARPS_PER_BLOCK: usize = 4;
 
 /// `v` as the kernels' int, or the op's error naming `param`.
 fn int(param: &'static str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| OpsError::Param {
-        op: OP,
-        param,
-        expected: "at most i32::MAX on CUDA".into(),
-        found: v.to_string(),
-    })
+    kernel_int(OP, param, v)
 }
 
 /// One warp per item, [`WARPS_PER_BLOCK`] warps a block.
@@ -125,6 +120,8 @@ pub(super) fn qkv(
         int("kv_heads", p.kv_heads)?,
         int("head_dim", p.head_dim)?,
     );
+    // The kernel forms q_heads + 2 * kv_heads as an int.
+    int("q_heads + 2 * kv_heads", p.q_heads + 2 * p.kv_heads)?;
     let cfg = warp_config(items)?;
     let f = c.function(OP, SOURCE, "head_norm_rope_qkv")?;
     let mut b = c.stream().launch_builder(&f);

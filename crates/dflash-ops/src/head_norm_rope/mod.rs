@@ -9,7 +9,8 @@
 //!   `out[j + D/2] = n[j + D/2] cos a_j + n[j] sin a_j`
 //! Shapes. x, out: `[rows, cols, heads, D]`; norm: `[D]`; start_pos: `[rows]`.
 //! Dtypes. x: F32 (the raw projection output: raw Q/K have no BF16 cast before the norm);
-//!   norm: BF16; start_pos: I32; out: BF16.
+//!   norm: BF16; start_pos: I32; out: BF16. Fused form: qkv F32, q_norm / k_norm BF16,
+//!   angles F32, q / k / v BF16.
 //! Rounding points. out only: once, BF16 RNE. Norm and rotation are unrounded math.
 //! Angle precision (contract, positions reach 1e5 and beyond). `a_j` is formed in f64
 //!   (`p as f64 * theta.powf(-2j/D)`) and reduced to `[0, 2*pi]` in f64 as
@@ -21,9 +22,13 @@
 //! Tie-breaking. None. Masking/live extents. None: every column is computed (live-count
 //!   masking is the caller's business).
 //! Caller guarantees. start_pos >= 0 (checked on the CPU; CUDA clamps a negative one to 0).
-//!   No aliasing between out and the inputs.
-//! Writes. Every element of out, nothing else.
-//! Parameters. `D` even and >= 2; eps finite >= 0; theta finite > 0.
+//!   No aliasing between outputs and inputs (enforced by borrowing). Fused form: `angles`
+//!   is [`rope_table`]'s output for the same rows, cols, D and theta (its length is checked,
+//!   its values are the caller's).
+//! Writes. [`run`]: every element of out; [`rope_table`]: every element of angles;
+//!   [`run_qkv`]: every element of q, k and v. Nothing else.
+//! Parameters. `D` even and >= 2; eps finite >= 0; theta finite > 0. Fused form: Hq and Hkv
+//!   ([`QkvParams`]; [`rope_table`] reads only rows, cols, D and theta of them).
 //! Fused Q/K/V form (the draft layer's projections as one GEMM against the row-concatenated
 //!   `[q_proj; k_proj; v_proj]` weight). [`rope_table`] writes a block's angles once for every
 //!   layer: `angles[(r * cols + c) * D/2 + j]` = the reduced angle of pair j at position
@@ -34,7 +39,8 @@
 //!   `[rows * cols, Hkv, D]` (the last Hkv heads, each value rounded once to BF16 and nothing
 //!   else), all BF16. The rotation uses the table's f32 angles on both backends (the CPU
 //!   widens them to f64), so its result equals [`run`]'s up to that narrowing, which the CUDA
-//!   kernels of both forms share: on CUDA the two forms are bit-identical.
+//!   kernels of both forms share: on CUDA both forms run the same per-head device code on
+//!   the same reduced angle, so their results are bit-identical.
 //! Properties. RoPE preserves each pair's norm (so the head's norm) up to rounding;
 //!   position 0 is the identity after the norm.
 //! Comparison. `close(abs = 1e-4 * max|norm|, rel = 0, 1 bf16 ulp)`: normalized values are
@@ -214,9 +220,10 @@ impl QkvParams {
                 .and_then(|x| x.checked_mul(d))
                 .ok_or_else(overflow)
         };
+        let table = tokens.checked_mul(d / 2).ok_or_else(overflow)?;
         Ok((
             tokens,
-            tokens * (d / 2),
+            table,
             n(self.q_heads)?,
             n(self.kv_heads)?,
             n(heads)?,

@@ -311,6 +311,91 @@ fn qkv_form_refuses_bad_shapes_and_positions_without_writing() {
                 .all(|x| x.to_bits() == bf16::POISON.to_bits())
         );
     }
+    // Every other tensor of the fused form, short by one, named.
+    let short_f = |n: usize| be.upload(&vec![0.0f32; n]).expect("up");
+    let short_b = |n: usize| be.upload(&vec![bf16::from_f32(1.0); n]).expect("up");
+    let (mut q, mut k, mut v) = (
+        be.filled(16, bf16::POISON).expect("alloc"),
+        be.filled(8, bf16::POISON).expect("alloc"),
+        be.filled(8, bf16::POISON).expect("alloc"),
+    );
+    for (name, e) in [
+        (
+            "qkv",
+            run_qkv(
+                &be,
+                &short_f(31),
+                &w,
+                &w,
+                &angles,
+                QkvOut {
+                    q: &mut q,
+                    k: &mut k,
+                    v: &mut v,
+                },
+                &p,
+            ),
+        ),
+        (
+            "q_norm",
+            run_qkv(
+                &be,
+                &x,
+                &short_b(3),
+                &w,
+                &angles,
+                QkvOut {
+                    q: &mut q,
+                    k: &mut k,
+                    v: &mut v,
+                },
+                &p,
+            ),
+        ),
+        (
+            "angles",
+            run_qkv(
+                &be,
+                &x,
+                &w,
+                &w,
+                &short_f(3),
+                QkvOut {
+                    q: &mut q,
+                    k: &mut k,
+                    v: &mut v,
+                },
+                &p,
+            ),
+        ),
+    ] {
+        let e = e.expect_err(name);
+        assert!(
+            matches!(e, OpsError::Length { tensor, .. } if tensor == name),
+            "{e}"
+        );
+    }
+    for b in [&q, &k, &v] {
+        assert!(
+            be.download(b)
+                .expect("dl")
+                .iter()
+                .all(|x| x.to_bits() == bf16::POISON.to_bits())
+        );
+    }
+    let mut short_table = be.filled(3, f32::NAN).expect("alloc");
+    let e =
+        rope_table(&be, &be.upload(&[0]).expect("up"), &mut short_table, &p).expect_err("table");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "angles",
+                ..
+            }
+        ),
+        "{e}"
+    );
     let mut table = be.filled(4, f32::NAN).expect("alloc");
     let neg = be.upload(&[-1]).expect("up");
     let e = rope_table(&be, &neg, &mut table, &p).expect_err("negative");

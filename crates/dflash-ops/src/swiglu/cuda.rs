@@ -2,7 +2,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use crate::cuda::{CudaBackend, cuda_err};
+use crate::cuda::{CudaBackend, cuda_err, kernel_int};
 use crate::{Buffer, Result, bf16};
 
 use super::{OP, SwigluParams};
@@ -26,17 +26,8 @@ pub(super) fn run(
         return Ok(());
     }
     let f = c.function(OP, SOURCE, "swiglu_kernel")?;
-    let too_big = |param: &'static str, v: usize| crate::OpsError::Param {
-        op: OP,
-        param,
-        expected: "at most i32::MAX on CUDA".into(),
-        found: v.to_string(),
-    };
-    let inter = i32::try_from(p.inter).map_err(|_| too_big("inter", p.inter))?;
-    let rows = u32::try_from(p.rows)
-        .ok()
-        .filter(|&r| r <= i32::MAX as u32)
-        .ok_or_else(|| too_big("rows", p.rows))?;
+    let inter = kernel_int(OP, "inter", p.inter)?;
+    let rows = kernel_int(OP, "rows", p.rows)? as u32;
     // 8 channels a thread; 16-byte accesses where every row start of every tensor is
     // 16-byte aligned (the allocations are).
     const PER_BLOCK: usize = 256 * 8;
@@ -50,8 +41,17 @@ pub(super) fn run(
             && aligned(out.address()),
     );
     let (stride_u64, off_u64) = (stride as u64, up_off as u64);
+    let blocks_y = p.inter.div_ceil(PER_BLOCK);
+    if blocks_y > 65_535 {
+        return Err(crate::OpsError::Param {
+            op: OP,
+            param: "inter",
+            expected: "at most 65535 * 2048 channels on CUDA".into(),
+            found: p.inter.to_string(),
+        });
+    }
     let cfg = LaunchConfig {
-        grid_dim: (rows, p.inter.div_ceil(PER_BLOCK) as u32, 1),
+        grid_dim: (rows, blocks_y as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
