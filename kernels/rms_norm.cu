@@ -23,28 +23,13 @@ __device__ __forceinline__ float rms_norm_load(const __nv_bfloat16* p, long long
     return bf2f(p[i]);
 }
 
-// 8 consecutive elements at p (16-byte aligned) widened to f32.
-__device__ __forceinline__ void rms_norm_load8(const __nv_bfloat16* p, float (&v)[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(h[j]);
-        v[2 * j] = f.x;
-        v[2 * j + 1] = f.y;
-    }
-}
+// 8 consecutive elements at p (16-byte aligned) widened to f32: BF16 through df_load8
+// (common.cuh), F32 as two 16-byte loads.
+__device__ __forceinline__ void rms_norm_load8(const __nv_bfloat16* p, float (&v)[8]) { df_load8(p, v); }
 __device__ __forceinline__ void rms_norm_load8(const float* p, float (&v)[8]) {
     const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
     v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-__device__ __forceinline__ void rms_norm_store8(__nv_bfloat16* p, const float (&v)[8]) {
-    uint4 u;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-    *reinterpret_cast<uint4*>(p) = u;
 }
 
 // The residual step of 8 (or 1) BF16 elements: x <- bf16(x + delta), v the rounded sums.
@@ -54,7 +39,7 @@ __device__ __forceinline__ void rms_norm_add8(__nv_bfloat16* x, const __nv_bfloa
     rms_norm_load8(d, dv);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = bf2f(f2bf(v[j] + dv[j]));
-    rms_norm_store8(x, v);
+    df_store8(x, v);
 }
 __device__ __forceinline__ void rms_norm_add8(float*, const __nv_bfloat16*, float (&)[8]) {}
 __device__ __forceinline__ float rms_norm_add1(__nv_bfloat16* x, const __nv_bfloat16* d, float v) {
@@ -81,13 +66,13 @@ __device__ __forceinline__ float rms_norm_block_sum(float v, float* partial) {
     return partial[0];
 }
 
-// One row: with `delta` (BF16 x only), x <- bf16(x + delta) first; then y = norm(x).
+// One row: x row at x + base, y row at y + out (element offsets); with `delta` (BF16 x only,
+// at delta + base), x <- bf16(x + delta) first; then y = norm(x).
 template <typename T>
 __device__ __forceinline__ void rms_norm_row(T* __restrict__ x, const __nv_bfloat16* __restrict__ delta,
                                              const __nv_bfloat16* __restrict__ w,
-                                             __nv_bfloat16* __restrict__ y, int h, float eps, int vec,
-                                             float* partial) {
-    const long long base = (long long)blockIdx.x * h;
+                                             __nv_bfloat16* __restrict__ y, long long base, long long out,
+                                             int h, float eps, int vec, float* partial) {
     float ss = 0.0f;
     if (vec) {
         const int step = 8 * blockDim.x;
@@ -117,7 +102,7 @@ __device__ __forceinline__ void rms_norm_row(T* __restrict__ x, const __nv_bfloa
             rms_norm_load8(w + c, wv);
 #pragma unroll
             for (int j = 0; j < 8; ++j) v[j] = wv[j] * (v[j] * inv);
-            rms_norm_store8(y + base + c, v);
+            df_store8(y + out + c, v);
         }
         return;
     }
@@ -129,26 +114,35 @@ __device__ __forceinline__ void rms_norm_row(T* __restrict__ x, const __nv_bfloa
     ss = rms_norm_block_sum(ss, partial);
     const float inv = 1.0f / sqrtf(ss / (float)h + eps);
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        y[base + j] = f2bf(bf2f(w[j]) * (rms_norm_load(x, base + j) * inv));
+        y[out + j] = f2bf(bf2f(w[j]) * (rms_norm_load(x, base + j) * inv));
     }
 }
 
-// x: [rows, h] BF16 (grid.x = rows).
+// y: [rows, h] BF16 (grid.x = rows); output row i normalizes x row (i / group) * stride +
+// offset + i % group (the plain form: group = stride = 1, offset = 0).
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_bf16(const __nv_bfloat16* __restrict__ x,
                                                                  const __nv_bfloat16* __restrict__ w,
                                                                  __nv_bfloat16* __restrict__ y, int h,
-                                                                 float eps, int vec) {
+                                                                 float eps, int vec, int group, int stride,
+                                                                 int offset) {
     __shared__ float partial[32];
-    rms_norm_row(const_cast<__nv_bfloat16*>(x), (const __nv_bfloat16*)nullptr, w, y, h, eps, vec, partial);
+    const long long i = blockIdx.x;
+    const long long src = (i / group) * stride + offset + i % group;
+    rms_norm_row(const_cast<__nv_bfloat16*>(x), (const __nv_bfloat16*)nullptr, w, y, src * h, i * h, h, eps,
+                 vec, partial);
 }
 
-// x: [rows, h] F32 (grid.x = rows).
+// x F32, otherwise as rms_norm_bf16.
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_f32(const float* __restrict__ x,
                                                                 const __nv_bfloat16* __restrict__ w,
                                                                 __nv_bfloat16* __restrict__ y, int h,
-                                                                float eps, int vec) {
+                                                                float eps, int vec, int group, int stride,
+                                                                int offset) {
     __shared__ float partial[32];
-    rms_norm_row(const_cast<float*>(x), (const __nv_bfloat16*)nullptr, w, y, h, eps, vec, partial);
+    const long long i = blockIdx.x;
+    const long long src = (i / group) * stride + offset + i % group;
+    rms_norm_row(const_cast<float*>(x), (const __nv_bfloat16*)nullptr, w, y, src * h, i * h, h, eps, vec,
+                 partial);
 }
 
 // x: [rows, h] BF16 residual stream, updated in place to x + delta (each element's f32 sum
@@ -161,5 +155,6 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_residual_bf16(__nv_b
                                                                           __nv_bfloat16* __restrict__ y, int h,
                                                                           float eps, int vec) {
     __shared__ float partial[32];
-    rms_norm_row(x, delta, w, y, h, eps, vec, partial);
+    const long long base = (long long)blockIdx.x * h;
+    rms_norm_row(x, delta, w, y, base, base, h, eps, vec, partial);
 }

@@ -316,38 +316,41 @@ impl<T: Element> Buffer<T> {
         }
     }
 
-    /// A read-only [`Borrowed`] view of elements `offset..offset + len` of this buffer, for as
-    /// long as the buffer is borrowed (so nothing writes or frees it meanwhile): how one
-    /// allocation serves as several tensors, e.g. the `k_proj` rows of a row-concatenated
-    /// `[q_proj; k_proj; v_proj]` weight read on their own.
+    /// A read-only [`Borrowed`] view of elements `offset..offset + len` of this buffer, on its
+    /// own backend, for as long as the buffer is borrowed (so nothing writes or frees it
+    /// meanwhile): how one allocation serves as several tensors, e.g. the `k_proj` rows of a
+    /// row-concatenated `[q_proj; k_proj; v_proj]` weight read on their own. Making one costs
+    /// no driver call.
     ///
-    /// Errors: [`OpsError::WrongBackend`] when `be` is not the buffer's backend,
-    /// [`OpsError::Length`] when the range passes the end, [`OpsError::Borrow`] when a
-    /// device view would not start 16-byte aligned (what the kernels' vector loads need).
-    pub fn view(&self, be: &Backend, offset: usize, len: usize) -> Result<Borrowed<'_, T>> {
-        if self.backend_name() != be.name() {
-            return Err(OpsError::WrongBackend {
-                op: "view",
-                tensor: "buf",
-                expected: be.name(),
-                found: self.backend_name(),
-            });
-        }
+    /// Errors: [`OpsError::Range`] when the range passes the end; [`OpsError::Borrow`] when a
+    /// device view would not start 16-byte aligned (what the kernels' vector and TMA loads
+    /// assume of every device buffer).
+    pub fn view(&self, offset: usize, len: usize) -> Result<Borrowed<'_, T>> {
         let end = offset.checked_add(len).filter(|&e| e <= self.len());
         if end.is_none() {
-            return Err(OpsError::Length {
+            return Err(OpsError::Range {
                 op: "view",
                 tensor: "buf",
-                expected: self.len(),
-                shape: format!("at least offset {offset} + len {len}"),
-                found: self.len(),
+                start: offset,
+                end: offset.saturating_add(len),
+                len: self.len(),
             });
         }
-        let addr = self.address() + (offset * std::mem::size_of::<T>()) as u64;
-        // SAFETY: the range lies inside this buffer (checked above), which `be` owns (same
-        // backend) and which stays allocated and unwritten through Rust while the view
-        // borrows `self`; `from_raw` checks the alignment (and on CUDA the allocation).
-        unsafe { Borrowed::from_raw(be, addr, len) }
+        let storage = match &self.storage {
+            Storage::Host(v) => Storage::HostBorrowed(v[offset..].as_ptr(), len),
+            // SAFETY: `offset <= len` of the lent range (checked above), so the pointer stays
+            // inside (or one past) it.
+            Storage::HostBorrowed(p, _) => Storage::HostBorrowed(unsafe { p.add(offset) }, len),
+            #[cfg(feature = "cuda")]
+            Storage::Device(d, _) => {
+                Storage::DeviceBorrowed(crate::cuda::sub_slice(d, offset, len)?, len)
+            }
+            #[cfg(feature = "cuda")]
+            Storage::DeviceBorrowed(b, _) => {
+                Storage::DeviceBorrowed(crate::cuda::sub_slice(b.slice(), offset, len)?, len)
+            }
+        };
+        Ok(Borrowed::over(storage))
     }
 
     /// The host elements, or [`OpsError::WrongBackend`] for a device buffer.
@@ -870,21 +873,24 @@ mod tests {
     fn a_view_reads_its_range_only_and_refuses_to_pass_the_end() {
         let be = Backend::cpu();
         let b = be.upload(&[1i32, 2, 3, 4, 5]).expect("upload");
-        let v = b.view(&be, 1, 3).expect("view");
+        let v = b.view(1, 3).expect("view");
         assert_eq!(v.len(), 3);
         assert!(v.is_borrowed());
         assert_eq!(be.download(&v).expect("download"), vec![2, 3, 4]);
         assert_eq!(v.address(), b.address() + 4);
+        // A view of a view.
         assert_eq!(
-            be.download(&b.view(&be, 5, 0).expect("empty")).expect("dl"),
+            be.download(&v.view(1, 2).expect("view")).expect("dl"),
+            vec![3, 4]
+        );
+        assert!(v.view(2, 2).is_err());
+        assert_eq!(
+            be.download(&b.view(5, 0).expect("empty")).expect("dl"),
             vec![]
         );
         for (offset, len) in [(3, 3), (6, 0), (usize::MAX, 2)] {
             assert!(
-                matches!(
-                    b.view(&be, offset, len),
-                    Err(OpsError::Length { op: "view", .. })
-                ),
+                matches!(b.view(offset, len), Err(OpsError::Range { op: "view", .. })),
                 "offset {offset} len {len}"
             );
         }

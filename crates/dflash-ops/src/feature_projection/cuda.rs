@@ -41,5 +41,6 @@ pub(super) fn run(
         t,
         h,
         p.eps,
+        &crate::rms_norm::RowMap::IDENTITY,
     )
 }

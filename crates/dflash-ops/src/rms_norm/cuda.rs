@@ -3,10 +3,10 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, cuda_err, slice_address};
-use crate::{Element, OpsError, Result};
+use crate::cuda::{CudaBackend, cuda_err, eight_wide_threads, kernel_int, slice_address};
+use crate::{Element, Result};
 
-use super::OP;
+use super::{OP, RowMap};
 
 pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -16,10 +16,10 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 /// Threads per row block of the one-element-a-step form.
 const THREADS: u32 = 256;
 
-/// Whether the kernels may take 8 elements a step: `h` a multiple of 8 and every tensor's
-/// rows 16-byte aligned (then every row start is: 8 BF16 or F32 elements are 16 or 32
-/// bytes).
-fn vec_ok(h: usize, addresses: &[u64]) -> bool {
+/// Whether a kernel may take 8 elements a step: `h` a multiple of 8 and every tensor at a
+/// 16-byte aligned address (then every row start is: 8 BF16 or F32 elements are 16 or 32
+/// bytes). Also swiglu's test.
+pub(crate) fn vec_ok(h: usize, addresses: &[u64]) -> bool {
     h.is_multiple_of(8) && addresses.iter().all(|a| a.is_multiple_of(16))
 }
 
@@ -48,19 +48,9 @@ fn row_config(
     if rows == 0 || h == 0 {
         return Ok(None);
     }
-    let too_big = |param: &'static str, v: usize| OpsError::Param {
-        op: caller,
-        param,
-        expected: "at most i32::MAX on CUDA".into(),
-        found: v.to_string(),
-    };
-    let grid = i32::try_from(rows).map_err(|_| too_big("rows", rows))? as u32;
-    let h_i = i32::try_from(h).map_err(|_| too_big("hidden", h))?;
-    let threads = if vec {
-        (h.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32
-    } else {
-        THREADS
-    };
+    let grid = kernel_int(caller, "rows", rows)? as u32;
+    let h_i = kernel_int(caller, "hidden", h)?;
+    let threads = if vec { eight_wide_threads(h) } else { THREADS };
     let cfg = LaunchConfig {
         grid_dim: (grid, 1, 1),
         block_dim: (threads, 1, 1),
@@ -69,9 +59,10 @@ fn row_config(
     Ok(Some((cfg, h_i)))
 }
 
-/// Queue the norm of `rows` rows of `h` elements: `y = bf16_rne(w * x / sqrt(mean(x^2)+eps))`.
-/// The caller has checked `x.len() >= rows*h`, `w.len() >= h`, `y.len() >= rows*h`; `caller`
-/// names the op in errors.
+/// Queue the norm of `rows` rows of `h` elements: `y = bf16_rne(w * x / sqrt(mean(x^2)+eps))`,
+/// output row i from x row `map.source(i)`. The caller has checked `x` holds every source row,
+/// `w.len() >= h`, `y.len() >= rows*h` and the map ([`RowMap::check`]); `caller` names the op
+/// in errors.
 pub(crate) fn launch<T: RmsInput>(
     c: &CudaBackend,
     caller: &'static str,
@@ -81,7 +72,13 @@ pub(crate) fn launch<T: RmsInput>(
     rows: usize,
     h: usize,
     eps: f32,
+    map: &RowMap,
 ) -> Result<()> {
+    let (group, stride, offset) = (
+        kernel_int(caller, "map.group", map.group)?,
+        kernel_int(caller, "map.stride", map.stride)?,
+        kernel_int(caller, "map.offset", map.offset)?,
+    );
     let vec = vec_ok(h, &[slice_address(x), slice_address(w), slice_address(y)]);
     let Some((cfg, h_i)) = row_config(caller, rows, h, vec)? else {
         return Ok(());
@@ -95,8 +92,12 @@ pub(crate) fn launch<T: RmsInput>(
     b.arg(&h_i);
     b.arg(&eps);
     b.arg(&vec_i);
+    b.arg(&group);
+    b.arg(&stride);
+    b.arg(&offset);
     // SAFETY: argument types and order match rms_norm_bf16 / rms_norm_f32; the caller checked
-    // every length; each block touches only its own row.
+    // every length and the map (every source row lies in x); each block writes only its own
+    // output row.
     unsafe { b.launch(cfg) }.map_err(cuda_err(format!("{caller}: launching {}", T::KERNEL)))?;
     Ok(())
 }

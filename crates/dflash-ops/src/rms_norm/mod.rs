@@ -10,14 +10,20 @@
 //!   x is the BF16 residual stream and is first updated in place,
 //!   `x[r, j] <- bf16_rne(x[r, j] + delta[r, j])` (the exact sum rounded once, as
 //!   `residual_add`), then y is the norm of the updated rows as above. delta: `[rows, hidden]`
-//!   BF16. The result equals `residual_add::run_inplace` followed by [`run`], bit for bit on
-//!   both backends (the kernel keeps `rms_norm_bf16`'s element order and block sum).
+//!   BF16. The result equals `residual_add::run_inplace` followed by [`run`], bit for bit: on
+//!   the CPU by construction, on CUDA because both kernels run one row template with the same
+//!   access path and block size (the launchers take the 8-wide path whenever hidden is a
+//!   multiple of 8 and the tensors are 16-byte aligned, as every device buffer is).
 //! Rounding points. y only: once, BF16 RNE. The mean, the reciprocal root and the products
 //!   are unrounded math.
 //! Accumulation. Implementation choice (CUDA: FP32 block reduction); the oracle is f64 from
 //!   the represented inputs.
 //! Tie-breaking. None. Masking. None (every row is normalized).
 //! Caller guarantees. No aliasing between y and the inputs. NaN/Inf propagate.
+//! Row-map form ([`run_rows`]): output row i normalizes x row
+//!   `(i / group) * stride + offset + i % group` ([`RowMap`]), e.g. the K mask columns of each
+//!   request's block of W = K + 1 columns (group K, stride W, offset 1): the draft's final norm
+//!   reads them in place. x: `[rows / group * stride, hidden]`; y: `[rows, hidden]`.
 //! Writes. Every element of y (and of x in the residual form), nothing else.
 //! Parameters. `hidden >= 1`, `eps` finite and >= 0.
 //! Comparison. `close(abs = 1e-7 * max|w|, rel = 1e-5, 1 bf16 ulp)`: every output is a
@@ -54,7 +60,69 @@ pub struct RmsNormParams {
     pub eps: f32,
 }
 
+/// Which x row feeds output row i of [`run_rows`]: `(i / group) * stride + offset + i % group`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowMap {
+    /// Consecutive output rows taken from one block of x rows (>= 1).
+    pub group: usize,
+    /// x rows per block (>= offset + group).
+    pub stride: usize,
+    /// First x row a block's group starts at.
+    pub offset: usize,
+}
+
+impl RowMap {
+    /// Output row i from x row i.
+    pub const IDENTITY: RowMap = RowMap {
+        group: 1,
+        stride: 1,
+        offset: 0,
+    };
+
+    /// The x row of output row `i`.
+    pub fn source(&self, i: usize) -> usize {
+        (i / self.group) * self.stride + self.offset + i % self.group
+    }
+
+    /// Check the map against `rows` output rows; the x rows it reads (`rows / group * stride`).
+    fn check(&self, rows: usize) -> Result<usize> {
+        let RowMap {
+            group,
+            stride,
+            offset,
+        } = *self;
+        check_param(
+            OP,
+            "map.group",
+            group >= 1 && rows.is_multiple_of(group),
+            group,
+            || format!(">= 1 and dividing rows = {rows}"),
+        )?;
+        check_param(
+            OP,
+            "map.stride",
+            offset.checked_add(group).is_some_and(|e| e <= stride),
+            stride,
+            || format!(">= offset + group = {offset} + {group}"),
+        )?;
+        (rows / group)
+            .checked_mul(stride)
+            .ok_or_else(|| OpsError::Param {
+                op: OP,
+                param: "map.stride",
+                expected: "rows / group * stride fits in usize".into(),
+                found: stride.to_string(),
+            })
+    }
+}
+
+/// `x` rows of `p.hidden` against `w` and `y` (rows of the output: `p.rows`).
 fn validate(x: usize, w: usize, y: usize, p: &RmsNormParams) -> Result<()> {
+    validate_rows(x, p.rows, w, y, p)
+}
+
+/// As [`validate`] with x holding `x_rows` rows.
+fn validate_rows(x: usize, x_rows: usize, w: usize, y: usize, p: &RmsNormParams) -> Result<()> {
     check_param(OP, "hidden", p.hidden >= 1, p.hidden, || ">= 1".into())?;
     check_param(OP, "eps", p.eps.is_finite() && p.eps >= 0.0, p.eps, || {
         "finite and >= 0".into()
@@ -69,7 +137,13 @@ fn validate(x: usize, w: usize, y: usize, p: &RmsNormParams) -> Result<()> {
             found: format!("{} x {}", p.rows, p.hidden),
         })?;
     let (rows, h) = (p.rows, p.hidden);
-    check_len(OP, "x", x, n, || format!("[rows={rows}, hidden={h}]"))?;
+    let xn = x_rows.checked_mul(h).ok_or_else(|| OpsError::Param {
+        op: OP,
+        param: "x rows*hidden",
+        expected: "a size that fits in usize".into(),
+        found: format!("{x_rows} x {h}"),
+    })?;
+    check_len(OP, "x", x, xn, || format!("[rows={x_rows}, hidden={h}]"))?;
     check_len(OP, "w", w, h, || format!("[hidden={h}]"))?;
     check_len(OP, "y", y, n, || format!("[rows={rows}, hidden={h}]"))?;
     Ok(())
@@ -106,6 +180,7 @@ pub fn run(
             p.rows,
             p.hidden,
             p.eps,
+            &RowMap::IDENTITY,
         ),
     }
 }
@@ -141,6 +216,55 @@ pub fn run_f32(
             p.rows,
             p.hidden,
             p.eps,
+            &RowMap::IDENTITY,
+        ),
+    }
+}
+
+/// Plain RMSNorm of the BF16 x rows `map` selects (see the module contract); refused before
+/// anything is written.
+pub fn run_rows(
+    be: &Backend,
+    x: &Buffer<bf16>,
+    w: &Buffer<bf16>,
+    y: &mut Buffer<bf16>,
+    p: &RmsNormParams,
+    map: &RowMap,
+) -> Result<()> {
+    let x_rows = map.check(p.rows)?;
+    validate_rows(x.len(), x_rows, w.len(), y.len(), p)?;
+    let h = p.hidden;
+    match be {
+        Backend::Cpu => {
+            let xs = x.host(OP, "x")?;
+            let gathered: Vec<bf16> = (0..p.rows)
+                .flat_map(|i| {
+                    xs[map.source(i) * h..(map.source(i) + 1) * h]
+                        .iter()
+                        .copied()
+                })
+                .collect();
+            reference::run(
+                &gathered,
+                w.host(OP, "w")?,
+                y.host_mut(OP, "y")?,
+                h,
+                p.eps,
+                |v: bf16| f64::from(v.to_f32()),
+            );
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(c) => cuda::launch(
+            c,
+            OP,
+            x.device(OP, "x")?,
+            w.device(OP, "w")?,
+            y.device_mut(OP, "y")?,
+            p.rows,
+            h,
+            p.eps,
+            map,
         ),
     }
 }
@@ -161,16 +285,13 @@ pub fn run_residual(
     })?;
     match be {
         Backend::Cpu => {
+            // Every tensor is taken before anything is written (a device buffer here is
+            // refused with x untouched).
+            let (ds, ws) = (delta.host(OP, "delta")?, w.host(OP, "w")?);
+            let ys = y.host_mut(OP, "y")?;
             let xs = x.host_mut(OP, "x")?;
-            crate::residual_add::reference::add_inplace(xs, delta.host(OP, "delta")?);
-            reference::run(
-                xs,
-                w.host(OP, "w")?,
-                y.host_mut(OP, "y")?,
-                p.hidden,
-                p.eps,
-                |v: bf16| f64::from(v.to_f32()),
-            );
+            crate::residual_add::reference::add_inplace(xs, ds);
+            reference::run(xs, ws, ys, p.hidden, p.eps, |v: bf16| f64::from(v.to_f32()));
             Ok(())
         }
         #[cfg(feature = "cuda")]
@@ -300,6 +421,54 @@ fn residual_case(
     }
 }
 
+/// A row-map case: `reqs` blocks of `k + 1` rows, the last `k` of each normalized (the draft's
+/// mask columns), rows at scales 1e-3..1e3.
+#[cfg(any(test, feature = "conformance"))]
+fn rows_case(
+    reqs: usize,
+    k: usize,
+    hidden: usize,
+    seed: u64,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let mut g = SplitMix::new(seed);
+        let map = RowMap {
+            group: k,
+            stride: k + 1,
+            offset: 1,
+        };
+        let p = RmsNormParams {
+            rows: reqs * k,
+            hidden,
+            eps: 1e-6,
+        };
+        let x_rows = reqs * (k + 1);
+        let x: Vec<bf16> = (0..x_rows * hidden)
+            .map(|i| bf16::from_f64(g.range(-1.0, 1.0) * 10f64.powi(((i / hidden) % 7) as i32 - 3)))
+            .collect();
+        let w = g.bf16_vec(hidden, -2.0, 2.0);
+        let mut inputs = InputCheck::default();
+        let xb = inputs.upload(be, "x", &x)?;
+        let wb = inputs.upload(be, "w", &w)?;
+        let n = p.rows * hidden;
+        let mut y = be.filled(n, bf16::POISON)?;
+        run_rows(be, &xb, &wb, &mut y, &p, &map)?;
+        let mut modified = Vec::new();
+        inputs.verify(be, "x", &xb, &mut modified)?;
+        inputs.verify(be, "w", &wb, &mut modified)?;
+        Ok(CaseRun {
+            outputs: vec![output(
+                "y",
+                criterion(&w),
+                &vec![bf16::POISON; n],
+                &be.download(&y)?,
+                |_| true,
+            )],
+            modified_inputs: modified,
+        })
+    }
+}
+
 /// Conformance cases.
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
@@ -322,6 +491,17 @@ pub(crate) fn cases() -> Vec<Case> {
             case(16, 5120, true, 25),
         ),
         Case::new(OP, "residual_odd_rows5_h33", residual_case(5, 33, 26)),
+        Case::new(OP, "mask_rows_reqs3_k2_h33", rows_case(3, 2, 33, 32)),
+        Case::new(
+            OP,
+            "mask_rows_official_35b_reqs8_k15_h2048",
+            rows_case(8, 15, 2048, 33),
+        ),
+        Case::new(
+            OP,
+            "mask_rows_official_27b_reqs1_k7_h5120",
+            rows_case(1, 7, 5120, 34),
+        ),
         // Past 8192 elements a thread of the 8-wide form takes a second step.
         Case::new(OP, "rows3_h8200_bf16", case(3, 8200, false, 29)),
         Case::new(OP, "rows3_h8200_f32", case(3, 8200, true, 30)),

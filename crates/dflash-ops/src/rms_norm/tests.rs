@@ -181,6 +181,97 @@ fn residual_form_refuses_a_short_delta_without_writing() {
     );
 }
 
+#[test]
+fn row_map_form_normalizes_the_selected_rows_as_the_plain_form_does() {
+    let be = Backend::cpu();
+    let mut g = SplitMix::new(12);
+    let (reqs, k, h) = (3, 4, 19);
+    let x = g.bf16_vec(reqs * (k + 1) * h, -3.0, 3.0);
+    let w = g.bf16_vec(h, -2.0, 2.0);
+    let map = RowMap {
+        group: k,
+        stride: k + 1,
+        offset: 1,
+    };
+    let p = RmsNormParams {
+        rows: reqs * k,
+        hidden: h,
+        eps: 1e-6,
+    };
+    let (xb, wb) = (be.upload(&x).expect("up"), be.upload(&w).expect("up"));
+    let mut y = be.filled(reqs * k * h, bf16::POISON).expect("alloc");
+    run_rows(&be, &xb, &wb, &mut y, &p, &map).expect("run");
+    // Rows 1..=k of each block of k + 1, gathered by hand.
+    let picked: Vec<bf16> = (0..reqs)
+        .flat_map(|r| (1..=k).map(move |c| r * (k + 1) + c))
+        .flat_map(|row| x[row * h..(row + 1) * h].to_vec())
+        .collect();
+    assert_eq!(
+        bits(&be.download(&y).expect("dl")),
+        bits(&norm(&picked, &w, reqs * k, 1e-6))
+    );
+    // The identity map is the plain form.
+    let mut y2 = be.filled(x.len(), bf16::POISON).expect("alloc");
+    let all = RmsNormParams {
+        rows: reqs * (k + 1),
+        ..p
+    };
+    run_rows(&be, &xb, &wb, &mut y2, &all, &RowMap::IDENTITY).expect("identity");
+    assert_eq!(
+        bits(&be.download(&y2).expect("dl")),
+        bits(&norm(&x, &w, reqs * (k + 1), 1e-6))
+    );
+}
+
+#[test]
+fn row_map_form_refuses_bad_maps_and_short_tensors_without_writing() {
+    let be = Backend::cpu();
+    let x = be.upload(&b(&[1.0; 12])).expect("up");
+    let w = be.upload(&b(&[1.0; 2])).expect("up");
+    let mut y = be.filled(8, bf16::POISON).expect("alloc");
+    let p = RmsNormParams {
+        rows: 4,
+        hidden: 2,
+        eps: 1e-6,
+    };
+    let map = |group, stride, offset| RowMap {
+        group,
+        stride,
+        offset,
+    };
+    for (m, param) in [
+        (map(0, 3, 1), "map.group"),
+        (map(3, 3, 0), "map.group"),  // 4 rows are not whole groups of 3
+        (map(2, 2, 1), "map.stride"), // offset + group passes the block
+    ] {
+        let e = run_rows(&be, &x, &w, &mut y, &p, &m).expect_err(param);
+        assert!(
+            matches!(e, OpsError::Param { param: got, .. } if got == param),
+            "{e}"
+        );
+    }
+    // 2 blocks of 3 rows hold the 4 mask rows: x needs 6 rows, not 5.
+    let short = be.upload(&b(&[1.0; 10])).expect("up");
+    let e = run_rows(&be, &short, &w, &mut y, &p, &map(2, 3, 1)).expect_err("x short");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "x",
+                expected: 12,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        be.download(&y)
+            .expect("dl")
+            .iter()
+            .all(|v| v.to_bits() == bf16::POISON.to_bits())
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
