@@ -376,3 +376,22 @@ fn tree_nodes_startup_is_refused_until_tree_verification_exists() {
     opts.startup.tree_nodes = None;
     try_engine(&fx, &opts).expect("the same options without a tree start");
 }
+
+#[test]
+fn the_memory_plan_counts_exactly_the_draft_workspace_it_allocates() {
+    for backend in [DraftBackend::DFlash, DraftBackend::DFlash2] {
+        let fx = Fixture::write(backend).expect("fixture");
+        let be = Backend::cpu();
+        for (k, b) in [(1, 1), (7, 3), (15, 8)] {
+            let opts = options(backend, k, b, 96);
+            let (model, parts) = (fx.draft(&be).expect("draft"), fx.parts(&be).expect("parts"));
+            let (_, _, plan) = DraftProposer::plan(&model, &parts, &opts).expect("plan");
+            let proposer = DraftProposer::new(model, parts, &opts).expect("proposer");
+            assert_eq!(
+                plan.bytes("draft workspace"),
+                proposer.workspace().bytes(),
+                "{backend:?} K={k} B={b}"
+            );
+        }
+    }
+}

@@ -125,7 +125,7 @@ impl DraftModel {
     /// Materialize the request's pending features (before a proposal, a checkpoint, a fork).
     pub fn materialize(&self, store: &mut ContextStore, h: ContextHandle) -> Result<()> {
         self.check_store(store)?;
-        store.materialize(h, &self.weights.materialize_weights(&self.be)?)?;
+        store.materialize(h, &self.weights.materialize_weights()?)?;
         Ok(())
     }
 
@@ -138,7 +138,7 @@ impl DraftModel {
         handles: &[ContextHandle],
     ) -> Result<()> {
         self.check_store(store)?;
-        store.materialize_round(handles, &self.weights.materialize_weights(&self.be)?)?;
+        store.materialize_round(handles, &self.weights.materialize_weights()?)?;
         Ok(())
     }
 
@@ -146,7 +146,7 @@ impl DraftModel {
     /// graph ([`ContextStore::capture_round`]); `false` where it stays eager.
     pub fn capture_materialize(&self, store: &mut ContextStore) -> Result<bool> {
         self.check_store(store)?;
-        Ok(store.capture_round(&self.weights.materialize_weights(&self.be)?)?)
+        Ok(store.capture_round(&self.weights.materialize_weights()?)?)
     }
 
     /// Stage, run and read back one round: [`DraftModel::stage`], [`DraftModel::run_block`],
@@ -568,25 +568,22 @@ impl DraftModel {
                 }
             }
         }
-        // The K mask columns of every row (the anchor column is not sampled), final norm.
-        for r in 0..rows {
-            be.copy(
-                &ws.x,
-                (r * w + 1) * hidden,
-                &mut ws.mask_raw,
-                r * k * hidden,
-                k * hidden,
-            )?;
-        }
-        rms_norm::run(
+        // The final norm of the K mask columns of every row, read in place (the anchor column
+        // is not sampled).
+        rms_norm::run_rows(
             be,
-            &ws.mask_raw,
+            &ws.x,
             &self.weights.norm,
             &mut ws.mask_hidden,
             &rms_norm::RmsNormParams {
                 rows: rows * k,
                 hidden,
                 eps,
+            },
+            &rms_norm::RowMap {
+                group: k,
+                stride: w,
+                offset: 1,
             },
         )?;
         let cols = rows * k;
@@ -806,8 +803,6 @@ impl DraftModel {
     }
 }
 
-/// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`: one GEMM against `[gate; up]`, the
-/// fused-layout SwiGLU, the down projection.
 /// The error of a DFlash2 layer run with a workspace that has no convolution scratch.
 fn no_conv_scratch() -> DraftError {
     DraftError::invalid(
@@ -817,6 +812,8 @@ fn no_conv_scratch() -> DraftError {
     )
 }
 
+/// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`: one GEMM against `[gate; up]`, the
+/// fused-layout SwiGLU, the down projection.
 fn mlp(
     be: &Backend,
     lw: &LayerWeights,
@@ -977,7 +974,7 @@ struct RowLens {
 /// `[tokens, D/2]` RoPE angles (F32), `[tokens, Hq*D]` Q + attention output (BF16),
 /// `[tokens, Hkv*D]` K + V (BF16), `[tokens, 2 I]` gate/up and `[tokens, I]` SwiGLU (BF16),
 /// DFlash2's `[tokens, 2*H/16]` finish delta and its convolution scratch (`[2*tokens, H]` BF16
-/// and `[2*tokens, H/4]` F32), two `[rows*K, H]` mask streams, the head's
+/// and `[2*tokens, H/4]` F32), the `[rows*K, H]` final-normed mask columns, the head's
 /// partials (`workspace_len` of `proposal_argmax` / `unary_topk`: the fused head never stores
 /// its `[rows*K, head rows]` logits), the attention scratch (`workspace_len` of the ops, the
 /// maximum over layers) and the small per-row metadata.
@@ -1031,7 +1028,6 @@ pub struct Workspace {
     finish_delta: Buffer<bf16>,
     /// DFlash2's convolution scratch (None for DFlash).
     conv_scratch: Option<dynamic_grouped_conv::PrepareScratch>,
-    mask_raw: Buffer<bf16>,
     /// Final-normed hidden of the mask columns `[rows, K, H]` BF16.
     pub mask_hidden: Buffer<bf16>,
     /// Scratch of the fused proposal head (per-block partials).
@@ -1199,7 +1195,6 @@ impl Workspace {
             } else {
                 None
             },
-            mask_raw: be.zeros(cols * h)?,
             mask_hidden: be.zeros(cols * h)?,
             head_workspace: be.zeros(head_ws)?,
             proposals: be.zeros(cols)?,
@@ -1223,6 +1218,59 @@ impl Workspace {
             ));
         }
         Ok(())
+    }
+
+    /// Bytes of every buffer the workspace allocated (their capacities): what an engine's
+    /// memory plan must count for it.
+    pub fn bytes(&self) -> u64 {
+        fn b<T: dflash_ops::Element>(x: &Buffer<T>) -> u64 {
+            (x.capacity() * std::mem::size_of::<T>()) as u64
+        }
+        let mut n = [
+            &self.ids,
+            &self.lanes,
+            &self.frontiers,
+            &self.live,
+            &self.anchors,
+            &self.seeds,
+            &self.proposals,
+        ]
+        .into_iter()
+        .map(b)
+        .sum::<u64>();
+        n += self.page_table.as_ref().map_or(0, b);
+        n += [
+            &self.temperature,
+            &self.qkv_raw,
+            &self.angles,
+            &self.attn_workspace,
+            &self.head_workspace,
+        ]
+        .into_iter()
+        .map(b)
+        .sum::<u64>();
+        n += [
+            &self.x,
+            &self.y,
+            &self.n,
+            &self.o,
+            &self.q,
+            &self.k_blk,
+            &self.v,
+            &self.attn,
+            &self.gate_up,
+            &self.act,
+            &self.finish_delta,
+            &self.mask_hidden,
+        ]
+        .into_iter()
+        .map(b)
+        .sum::<u64>();
+        n += self.conv_scratch.as_ref().map_or(0, |c| c.bytes());
+        if let Some(s) = &self.selector {
+            n += b(&s.unary) + b(&s.candidates) + b(&s.g) + b(&s.q) + b(&s.chosen);
+        }
+        n
     }
 
     /// Rows the workspace was planned for (the most one round computes).
@@ -1254,7 +1302,6 @@ impl Workspace {
             (&mut self.gate_up, tokens * 2 * l.inter),
             (&mut self.act, tokens * l.inter),
             (&mut self.finish_delta, tokens * l.delta),
-            (&mut self.mask_raw, cols * l.hidden),
             (&mut self.mask_hidden, cols * l.hidden),
         ] {
             buf.set_len(len)?;

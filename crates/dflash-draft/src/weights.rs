@@ -456,36 +456,34 @@ pub struct LayerWeights {
 
 impl LayerWeights {
     /// `q_proj.weight` `[Hq*D, H]`: the first rows of [`Self::qkv_proj`].
-    pub fn q_proj<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
-        Ok(self.qkv_proj.view(be, 0, self.q_len)?)
+    pub fn q_proj(&self) -> Result<Borrowed<'_, bf16>> {
+        Ok(self.qkv_proj.view(0, self.q_len)?)
     }
 
     /// The query-block role of `k_proj.weight` `[Hkv*D, H]`: rows of [`Self::qkv_proj`].
-    pub fn k_proj<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
-        Ok(self.qkv_proj.view(be, self.q_len, self.kv_len)?)
+    pub fn k_proj(&self) -> Result<Borrowed<'_, bf16>> {
+        Ok(self.qkv_proj.view(self.q_len, self.kv_len)?)
     }
 
     /// The query-block role of `v_proj.weight` `[Hkv*D, H]`: the last rows of
     /// [`Self::qkv_proj`].
-    pub fn v_proj<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
-        Ok(self
-            .qkv_proj
-            .view(be, self.q_len + self.kv_len, self.kv_len)?)
+    pub fn v_proj(&self) -> Result<Borrowed<'_, bf16>> {
+        Ok(self.qkv_proj.view(self.q_len + self.kv_len, self.kv_len)?)
     }
 
     /// The context role's K projection (the block role's rows, or its own copy).
-    pub fn context_k<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
+    pub fn context_k(&self) -> Result<Borrowed<'_, bf16>> {
         match &self.context_kv {
-            Some((k, _)) => Ok(k.view(be, 0, k.len())?),
-            None => self.k_proj(be),
+            Some((k, _)) => Ok(k.view(0, k.len())?),
+            None => self.k_proj(),
         }
     }
 
     /// The context role's V projection (the block role's rows, or its own copy).
-    pub fn context_v<'a>(&'a self, be: &Backend) -> Result<Borrowed<'a, bf16>> {
+    pub fn context_v(&self) -> Result<Borrowed<'_, bf16>> {
         match &self.context_kv {
-            Some((_, v)) => Ok(v.view(be, 0, v.len())?),
-            None => self.v_proj(be),
+            Some((_, v)) => Ok(v.view(0, v.len())?),
+            None => self.v_proj(),
         }
     }
 }
@@ -611,6 +609,22 @@ impl DraftWeights {
                 q_len,
                 kv_len,
             });
+            if opts.context_kv == RoleBinding::Shared {
+                // The context role reads the k / v rows of `qkv_proj` as views: refused here,
+                // naming the tensor, rather than at the first materialize.
+                let lw = &layers[l];
+                for (name, view) in [("k_proj", lw.k_proj().err()), ("v_proj", lw.v_proj().err())] {
+                    if let Some(e) = view {
+                        return Err(DraftError::invalid(
+                            format!("layers.{l}.self_attn.{name}.weight"),
+                            "rows of the bound [q_proj; k_proj; v_proj] that start 16-byte \
+                             aligned (Hq * D * H and Hkv * D * H multiples of 8), or \
+                             RoleBinding::Separate",
+                            e,
+                        ));
+                    }
+                }
+            }
         }
         let mut up = |name: &str| up_rows(&[name]);
         let selector = if g.backend == DraftBackend::DFlash2 {
@@ -632,16 +646,16 @@ impl DraftWeights {
         })
     }
 
-    /// The weights [`dflash_context::ContextStore::materialize`] needs (the context role),
-    /// as views on `be`, the backend the weights were bound to.
-    pub fn materialize_weights(&self, be: &Backend) -> Result<MaterializeWeights<'_>> {
+    /// The weights [`dflash_context::ContextStore::materialize`] needs (the context role, as
+    /// views: no copy, no driver call; their alignment was checked at bind).
+    pub fn materialize_weights(&self) -> Result<MaterializeWeights<'_>> {
         let layers = self
             .layers
             .iter()
             .map(|l| {
                 Ok(LayerKvWeights {
-                    w_k: l.context_k(be)?,
-                    w_v: l.context_v(be)?,
+                    w_k: l.context_k()?,
+                    w_v: l.context_v()?,
                     key_norm: &l.k_norm,
                 })
             })

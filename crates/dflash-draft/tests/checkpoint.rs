@@ -274,3 +274,79 @@ fn config_that_does_not_fit_the_target_is_refused() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Distinct values per tensor and element: the tensor's index in the spec list and the element
+/// index, so a view at a wrong offset or a concatenation in the wrong order shows.
+fn tagged(
+    specs: &[dflash_draft::weights::TensorSpec],
+    s: &dflash_draft::weights::TensorSpec,
+) -> Vec<half::bf16> {
+    let t = specs.iter().position(|x| x.name == s.name).expect("listed") as f32;
+    let n: usize = s.shape.iter().product();
+    (0..n)
+        .map(|i| half::bf16::from_f32(t + (i % 97) as f32 / 128.0))
+        .collect()
+}
+
+#[test]
+fn bound_qkv_and_gate_up_hold_the_published_tensors_and_their_views_read_them_back() {
+    use dflash_draft::DraftWeights;
+    use dflash_draft::weights::{RoleBinding, expected_tensors};
+    for spec in [TinySpec::dflash(), TinySpec::dflash2()] {
+        let (cfg, target) = synthetic::tiny_pair(&spec);
+        let d = dflash_config::DraftConfig::from_json_str(&cfg, dflash_config::ParseMode::Lenient)
+            .expect("config");
+        let g = dflash_config::validate_pair(&d.value, &target).expect("pair");
+        let specs = expected_tensors(&g);
+        let be = Backend::cpu();
+        let published = |name: String| {
+            let s = specs.iter().find(|s| s.name == name).expect("spec");
+            tagged(&specs, s)
+        };
+        let bind = |binding| {
+            DraftWeights::from_source(
+                &be,
+                &g,
+                &BindOptions {
+                    context_kv: binding,
+                },
+                |s| Ok(tagged(&specs, s)),
+            )
+            .expect("bind")
+        };
+        let (shared, separate) = (bind(RoleBinding::Shared), bind(RoleBinding::Separate));
+        for (l, lw) in shared.layers.iter().enumerate() {
+            let p = |s: &str| published(format!("layers.{l}.{s}"));
+            let dl = |b: &dflash_ops::Buffer<half::bf16>| be.download(b).expect("download");
+            let (q, k, v) = (
+                p("self_attn.q_proj.weight"),
+                p("self_attn.k_proj.weight"),
+                p("self_attn.v_proj.weight"),
+            );
+            assert_eq!(dl(&lw.qkv_proj), [q.clone(), k.clone(), v.clone()].concat());
+            assert_eq!(dl(&lw.q_proj().expect("q")), q);
+            assert_eq!(dl(&lw.k_proj().expect("k")), k);
+            assert_eq!(dl(&lw.v_proj().expect("v")), v);
+            assert_eq!(
+                dl(&lw.gate_up_proj),
+                [p("mlp.gate_proj.weight"), p("mlp.up_proj.weight")].concat()
+            );
+            // The context role: the block role's rows (Shared) or a copy (Separate), equal.
+            let sep = &separate.layers[l];
+            assert_eq!(dl(&lw.context_k().expect("ck")), k);
+            assert_eq!(dl(&lw.context_v().expect("cv")), v);
+            assert_eq!(dl(&sep.context_k().expect("ck")), k);
+            assert_eq!(dl(&sep.context_v().expect("cv")), v);
+            assert_eq!(
+                lw.context_k().expect("ck").address(),
+                lw.k_proj().expect("k").address()
+            );
+            assert_ne!(
+                sep.context_k().expect("ck").address(),
+                sep.k_proj().expect("k").address()
+            );
+        }
+        let mw = shared.materialize_weights().expect("views");
+        assert_eq!(mw.layers.len(), shared.layers.len());
+    }
+}

@@ -382,6 +382,11 @@ impl<'a> DraftProposer<'a> {
         &self.model
     }
 
+    /// The round workspace (its [`Workspace::bytes`] are the plan's "draft workspace").
+    pub fn workspace(&self) -> &Workspace {
+        &self.ws
+    }
+
     /// The backend everything lives on.
     pub fn backend(&self) -> &Backend {
         self.model.backend()
@@ -436,8 +441,8 @@ fn workspace_bytes(model: &DraftModel, s: &Startup, cap: &Capacity, head_rows: u
     let mut bf = 3 * tokens * h // x, n, o
         + tokens * hq * d * 2 // q, attention output
         + tokens * hkv * d * 2 // k, v
-        + tokens * inter * 3 // gate, up, act
-        + cols * h * 2; // mask raw, mask hidden
+        + tokens * inter * 3 // gate_up (2 I), act
+        + cols * h; // mask hidden
     // The fused head keeps per-block partials, never the [cols, head rows] logits; the
     // scratches serve every row count up to the rows (live-row rounds).
     let head_ws = (1..=rows as usize)
@@ -457,7 +462,8 @@ fn workspace_bytes(model: &DraftModel, s: &Startup, cap: &Capacity, head_rows: u
         })
         .max()
         .unwrap_or(0);
-    let mut f32s = tokens * hq * d + tokens * hkv * d + head_ws as u64;
+    // The fused Q/K/V projection, the block's RoPE angles, the head's partials, temperatures.
+    let mut f32s = tokens * (hq + 2 * hkv) * d + tokens * (d / 2) + head_ws as u64 + rows;
     let mut i32s = tokens + rows * 6 + cols; // ids, per-row metadata and seeds, proposals
     if g.has_full_pool {
         i32s += rows * cap.max_pages_per_lane as u64;
@@ -470,7 +476,8 @@ fn workspace_bytes(model: &DraftModel, s: &Startup, cap: &Capacity, head_rows: u
         f32s += 2 * cols * TOP_K as u64;
         i32s += cols * TOP_K as u64 + cols;
     }
-    if !model.backend().is_cpu() {
+    // The attention scratch (every backend allocates it).
+    {
         let c = s.block_width as usize;
         let mut attn = 0usize;
         for (l, r) in g

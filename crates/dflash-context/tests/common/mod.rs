@@ -77,7 +77,6 @@ pub fn tiny_capacity(chunk_cols: usize) -> Capacity {
 
 /// Owned context weights for a geometry.
 pub struct Weights {
-    be: Backend,
     pub fc: Buffer<bf16>,
     pub hidden_norm: Buffer<bf16>,
     pub layers: Vec<(Buffer<bf16>, Buffer<bf16>, Buffer<bf16>)>,
@@ -104,7 +103,6 @@ impl Weights {
             })
             .collect();
         Weights {
-            be: be.clone(),
             fc,
             hidden_norm,
             layers,
@@ -119,8 +117,8 @@ impl Weights {
                 .layers
                 .iter()
                 .map(|(w_k, w_v, key_norm)| LayerKvWeights {
-                    w_k: w_k.view(&self.be, 0, w_k.len()).expect("view w_k"),
-                    w_v: w_v.view(&self.be, 0, w_v.len()).expect("view w_v"),
+                    w_k: w_k.view(0, w_k.len()).expect("view w_k"),
+                    w_v: w_v.view(0, w_v.len()).expect("view w_v"),
                     key_norm,
                 })
                 .collect(),
