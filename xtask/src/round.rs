@@ -93,17 +93,21 @@ pub fn bench_round(
     .with_context(|| format!("round graph, {shape}"))?;
     let blas = time_chain(cuda, chain, &s.head, rows, k)
         .with_context(|| format!("cuBLAS chain, {shape}"))?;
-    let floor = floor_us((round_weight_bytes(&s.g) + kv_bytes(&s.g, rows, context)) as f64);
-    let row = |op, median_us| Row {
+    // The round also reads the context K/V; the chain reads only the weights.
+    let weights = round_weight_bytes(&s.g);
+    let row = |op, median_us, bytes: u64| Row {
         op,
         draft: d.name,
         b: rows,
         k,
         context,
         median_us,
-        floor_us: floor,
+        floor_us: floor_us(bytes as f64),
     };
-    Ok(vec![row(ROUND, round), row(CHAIN, blas)])
+    Ok(vec![
+        row(ROUND, round, weights + kv_bytes(&s.g, rows, context)),
+        row(CHAIN, blas, weights),
+    ])
 }
 
 /// Weight bytes a round reads: the block's ([`weight_bytes`]) plus the materialize's `fc`
@@ -356,8 +360,12 @@ pub const HEADER: &str = "- round: one CUDA graph of a round's draft side: the p
      checkpoint weight: fc and the context K/V projections at B x 8 rows, per layer q, k, v, o, \
      gate, up, down at B x (K + 1) rows and DFlash2's two convolution projections at \
      2 x B x (K + 1), the head at B x K with F32 logits, DFlash2's selector W_hidden at B x K); \
-     floor of both: every weight the round reads (the block's plus the materialize's fc, \
-     hidden norm and context K/V projections) plus every layer's visible context K/V\n";
+     floor: every weight the round reads (the block's plus the materialize's fc, hidden norm \
+     and context K/V projections), plus for the round every layer's visible context K/V. The \
+     round leaves out the draft's per-round staging (the rows' metadata written to the device) \
+     and the verify-input assembly, which an engine round's propose also does \
+     (`docs/performance-engine_round.md` times whole rounds); the chain stores the head's \
+     F32 logits, [B x K, vocab rows], which the fused head never does\n";
 
 #[cfg(test)]
 mod tests {

@@ -482,15 +482,20 @@ const GEMM_ROWS: [usize; 5] = [8, 16, 32, 64, 128];
 fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
     let be = Backend::Cuda(cuda.clone());
     let (h, inter) = (d.hidden, d.inter);
-    let shapes: [(&'static str, usize, usize); 5] = [
-        ("q_proj", HQ * D, h),
-        ("k_proj / v_proj", HKV * D, h),
-        ("o_proj", h, HQ * D),
-        ("gate_proj / up_proj", inter, h),
-        ("down_proj", h, inter),
+    // (weight, n, k, F32 output): the checkpoint's weights (the context K/V role still
+    // multiplies k_proj / v_proj alone) and the block's fused ones (Q/K/V with F32 output, the
+    // raw Q and K being normalized unrounded).
+    let shapes: [(&'static str, usize, usize, bool); 7] = [
+        ("q_proj", HQ * D, h, false),
+        ("k_proj / v_proj", HKV * D, h, false),
+        ("qkv_proj (fused, F32 out)", (HQ + 2 * HKV) * D, h, true),
+        ("o_proj", h, HQ * D, false),
+        ("gate_proj / up_proj", inter, h, false),
+        ("gate_up_proj (fused)", 2 * inter, h, false),
+        ("down_proj", h, inter, false),
     ];
     let mut rows = Vec::new();
-    for (si, &(weight, n, k)) in shapes.iter().enumerate() {
+    for (si, &(weight, n, k, f32_out)) in shapes.iter().enumerate() {
         let bytes = n * k * 2;
         let copies = (ROTATE_BYTES / bytes).clamp(1, 16);
         let ws: Vec<Buffer<bf16>> = (0..copies)
@@ -498,7 +503,8 @@ fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
             .collect::<Result<_>>()?;
         for &m in &GEMM_ROWS {
             let a = random_buf(&be, m * k, 7, |x| bf(2.0 * x))?;
-            let mut out = be.zeros::<bf16>(m * n)?;
+            let mut out = be.zeros::<bf16>(if f32_out { 0 } else { m * n })?;
+            let mut out_f32 = be.zeros::<f32>(if f32_out { m * n } else { 0 })?;
             let gp = gemm::GemmParams { m, n, k };
             let floor = floor_us(gemm_bytes(m, n, k));
             for (op, kernels) in [
@@ -508,7 +514,12 @@ fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
                 cuda.set_gemm_kernels(kernels);
                 let reps = copies.max(4);
                 let t = time_graph(cuda, reps, |i| {
-                    gemm::run_bf16(&be, &a, &ws[i % copies], &mut out, &gp).map_err(Into::into)
+                    let w = &ws[i % copies];
+                    if f32_out {
+                        gemm::run_f32(&be, &a, w, &mut out_f32, &gp).map_err(Into::into)
+                    } else {
+                        gemm::run_bf16(&be, &a, w, &mut out, &gp).map_err(Into::into)
+                    }
                 });
                 cuda.set_gemm_kernels(GemmKernels::Auto);
                 rows.push(GemmRow {
