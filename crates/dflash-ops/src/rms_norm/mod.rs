@@ -157,32 +157,7 @@ pub fn run(
     y: &mut Buffer<bf16>,
     p: &RmsNormParams,
 ) -> Result<()> {
-    validate(x.len(), w.len(), y.len(), p)?;
-    match be {
-        Backend::Cpu => {
-            reference::run(
-                x.host(OP, "x")?,
-                w.host(OP, "w")?,
-                y.host_mut(OP, "y")?,
-                p.hidden,
-                p.eps,
-                |v: bf16| f64::from(v.to_f32()),
-            );
-            Ok(())
-        }
-        #[cfg(feature = "cuda")]
-        Backend::Cuda(c) => cuda::launch(
-            c,
-            OP,
-            x.device(OP, "x")?,
-            w.device(OP, "w")?,
-            y.device_mut(OP, "y")?,
-            p.rows,
-            p.hidden,
-            p.eps,
-            &RowMap::IDENTITY,
-        ),
-    }
+    run_rows(be, x, w, y, p, &RowMap::IDENTITY)
 }
 
 /// Plain RMSNorm of F32 rows (an unrounded producer), BF16 output (see the module contract).
@@ -237,15 +212,21 @@ pub fn run_rows(
     match be {
         Backend::Cpu => {
             let xs = x.host(OP, "x")?;
-            let gathered: Vec<bf16> = (0..p.rows)
-                .flat_map(|i| {
-                    xs[map.source(i) * h..(map.source(i) + 1) * h]
-                        .iter()
-                        .copied()
-                })
-                .collect();
+            // The selected rows, gathered (the identity map reads x as it is).
+            let rows: std::borrow::Cow<'_, [bf16]> = if *map == RowMap::IDENTITY {
+                xs.into()
+            } else {
+                (0..p.rows)
+                    .flat_map(|i| {
+                        xs[map.source(i) * h..(map.source(i) + 1) * h]
+                            .iter()
+                            .copied()
+                    })
+                    .collect::<Vec<_>>()
+                    .into()
+            };
             reference::run(
-                &gathered,
+                &rows,
                 w.host(OP, "w")?,
                 y.host_mut(OP, "y")?,
                 h,
@@ -318,6 +299,18 @@ pub(crate) fn criterion(w: &[bf16]) -> Criterion {
     }
 }
 
+/// A case's `y` output: poisoned before the run, every element written.
+#[cfg(any(test, feature = "conformance"))]
+fn y_output(be: &Backend, w: &[bf16], y: &Buffer<bf16>) -> Result<crate::registry::CaseOutput> {
+    Ok(output(
+        "y",
+        criterion(w),
+        &vec![bf16::POISON; y.len()],
+        &be.download(y)?,
+        |_| true,
+    ))
+}
+
 #[cfg(any(test, feature = "conformance"))]
 fn case(
     rows: usize,
@@ -356,13 +349,7 @@ fn case(
         }
         inputs.verify(be, "w", &wb, &mut modified)?;
         Ok(CaseRun {
-            outputs: vec![output(
-                "y",
-                criterion(&w),
-                &vec![bf16::POISON; rows * hidden],
-                &be.download(&y)?,
-                |_| true,
-            )],
+            outputs: vec![y_output(be, &w, &y)?],
             modified_inputs: modified,
         })
     }
@@ -408,13 +395,7 @@ fn residual_case(
         Ok(CaseRun {
             outputs: vec![
                 output("x", Criterion::Exact, &x0, &be.download(&x)?, |_| true),
-                output(
-                    "y",
-                    criterion(&w),
-                    &vec![bf16::POISON; n],
-                    &be.download(&y)?,
-                    |_| true,
-                ),
+                y_output(be, &w, &y)?,
             ],
             modified_inputs: modified,
         })
@@ -457,13 +438,7 @@ fn rows_case(
         inputs.verify(be, "x", &xb, &mut modified)?;
         inputs.verify(be, "w", &wb, &mut modified)?;
         Ok(CaseRun {
-            outputs: vec![output(
-                "y",
-                criterion(&w),
-                &vec![bf16::POISON; n],
-                &be.download(&y)?,
-                |_| true,
-            )],
+            outputs: vec![y_output(be, &w, &y)?],
             modified_inputs: modified,
         })
     }
