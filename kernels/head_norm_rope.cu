@@ -1,7 +1,8 @@
 // head_norm_rope: per-head plain RMSNorm + split-half RoPE
 // (contract: crates/dflash-ops/src/head_norm_rope/mod.rs).
-// Also prepended to kernels/context_kv_materialize.cu, which stores K through
-// head_norm_rope_warp (one definition of the device math).
+// Also prepended to kernels/context_kv_materialize.cu (with HNR_DEVICE_ONLY defined: the
+// device code only), which stores K through head_norm_rope_warp (one definition of the
+// device math).
 //
 // Entries: head_norm_rope_kernel (one tensor of heads, angles from the positions),
 // head_norm_rope_table (a block's reduced angles, once for every layer) and
@@ -79,6 +80,10 @@ __device__ __forceinline__ void head_norm_rope_warp(const float* __restrict__ x,
     head_norm_rope_warp_at(x, w, out, d, eps, HnrPosAngle{pos, d, theta});
 }
 
+// The entry points: left out where the file is prepended for its device code alone
+// (context_kv_materialize defines HNR_DEVICE_ONLY), so no module compiles them twice.
+#ifndef HNR_DEVICE_ONLY
+
 // x, out: [rows, cols, heads, d]; one warp per (row, col, head) item, blockDim.x a multiple
 // of 32. A negative start_pos (refused on the CPU) is clamped to 0.
 extern "C" __global__ void head_norm_rope_kernel(const float* __restrict__ x,
@@ -144,3 +149,5 @@ extern "C" __global__ void head_norm_rope_qkv(const float* __restrict__ qkv,
         for (int j = threadIdx.x & 31; j < d; j += 32) o[j] = f2bf(x[j]);
     }
 }
+
+#endif  // HNR_DEVICE_ONLY

@@ -567,15 +567,18 @@ impl DraftWeights {
         let (q_len, kv_len) = (g.q_heads as usize * d * h, g.kv_heads as usize * d * h);
         let mut layers = Vec::with_capacity(g.layers.len());
         for l in 0..g.layers.len() {
-            let n = |s: &str| format!("layers.{l}.{s}");
-            let mut up = |s: &str| up_rows(&[&n(s)]);
+            // Layer l's tensors `names` (without the `layers.{l}.` prefix), concatenated.
+            let mut up = |names: &[&str]| -> Result<Buffer<bf16>> {
+                let full: Vec<String> = names.iter().map(|s| format!("layers.{l}.{s}")).collect();
+                up_rows(&full.iter().map(String::as_str).collect::<Vec<_>>())
+            };
             let mut conv = |branch: &str| -> Result<Option<ConvWeights>> {
                 if g.backend != DraftBackend::DFlash2 {
                     return Ok(None);
                 }
                 Ok(Some(ConvWeights {
-                    base: up(&format!("{branch}.base_kernel"))?,
-                    projection: up(&format!("{branch}.kernel_projection.weight"))?,
+                    base: up(&[&format!("{branch}.base_kernel")])?,
+                    projection: up(&[&format!("{branch}.kernel_projection.weight")])?,
                 }))
             };
             let attention_conv = conv("attention_conv")?;
@@ -583,26 +586,23 @@ impl DraftWeights {
             let context_kv = match opts.context_kv {
                 RoleBinding::Shared => None,
                 RoleBinding::Separate => Some((
-                    up("self_attn.k_proj.weight")?,
-                    up("self_attn.v_proj.weight")?,
+                    up(&["self_attn.k_proj.weight"])?,
+                    up(&["self_attn.v_proj.weight"])?,
                 )),
             };
-            let qkv_proj = up_rows(&[
-                &n("self_attn.q_proj.weight"),
-                &n("self_attn.k_proj.weight"),
-                &n("self_attn.v_proj.weight"),
-            ])?;
-            let gate_up_proj = up_rows(&[&n("mlp.gate_proj.weight"), &n("mlp.up_proj.weight")])?;
-            let mut up = |s: &str| up_rows(&[&n(s)]);
             layers.push(LayerWeights {
-                input_norm: up("input_layernorm.weight")?,
-                post_attention_norm: up("post_attention_layernorm.weight")?,
-                qkv_proj,
-                o_proj: up("self_attn.o_proj.weight")?,
-                q_norm: up("self_attn.q_norm.weight")?,
-                k_norm: up("self_attn.k_norm.weight")?,
-                gate_up_proj,
-                down_proj: up("mlp.down_proj.weight")?,
+                input_norm: up(&["input_layernorm.weight"])?,
+                post_attention_norm: up(&["post_attention_layernorm.weight"])?,
+                qkv_proj: up(&[
+                    "self_attn.q_proj.weight",
+                    "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight",
+                ])?,
+                o_proj: up(&["self_attn.o_proj.weight"])?,
+                q_norm: up(&["self_attn.q_norm.weight"])?,
+                k_norm: up(&["self_attn.k_norm.weight"])?,
+                gate_up_proj: up(&["mlp.gate_proj.weight", "mlp.up_proj.weight"])?,
+                down_proj: up(&["mlp.down_proj.weight"])?,
                 context_kv,
                 attention_conv,
                 mlp_conv,
@@ -626,20 +626,19 @@ impl DraftWeights {
                 }
             }
         }
-        let mut up = |name: &str| up_rows(&[name]);
         let selector = if g.backend == DraftBackend::DFlash2 {
             Some(SelectorWeights {
-                hidden_projection: up("candidate_selector.hidden_projection.weight")?,
-                predecessor: up("candidate_selector.predecessor_codebook")?,
-                successor: up("candidate_selector.successor_codebook")?,
+                hidden_projection: up_rows(&["candidate_selector.hidden_projection.weight"])?,
+                predecessor: up_rows(&["candidate_selector.predecessor_codebook"])?,
+                successor: up_rows(&["candidate_selector.successor_codebook"])?,
             })
         } else {
             None
         };
         Ok(DraftWeights {
-            fc: up("fc.weight")?,
-            hidden_norm: up("hidden_norm.weight")?,
-            norm: up("norm.weight")?,
+            fc: up_rows(&["fc.weight"])?,
+            hidden_norm: up_rows(&["hidden_norm.weight"])?,
+            norm: up_rows(&["norm.weight"])?,
             layers,
             selector,
             context_kv: opts.context_kv,

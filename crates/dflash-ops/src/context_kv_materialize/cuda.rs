@@ -1,6 +1,6 @@
 //! CUDA launcher of `context_kv_materialize` (kernels/context_kv_materialize.cu, prefixed by
-//! kernels/head_norm_rope.cu): two GEMMs (the gemm helper) into the F32 scratch, then one
-//! store kernel.
+//! kernels/head_norm_rope.cu's device code, its entry points left out): two GEMMs (the gemm
+//! helper) into the F32 scratch, then one store kernel.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
@@ -12,6 +12,7 @@ use crate::{Buffer, OpsError, Result};
 use super::{CacheLayout, MaterializeParams, OP};
 
 pub(crate) const SOURCE: &str = concat!(
+    "#define HNR_DEVICE_ONLY\n",
     include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../kernels/head_norm_rope.cu"

@@ -232,6 +232,13 @@ pub(crate) fn kernel_int(op: &'static str, param: &'static str, v: usize) -> Res
     })
 }
 
+/// Whether a kernel may take 8 elements a step as 16-byte words: `h` a multiple of 8 and
+/// every tensor at a 16-byte aligned address (then every row start is: 8 BF16 or F32
+/// elements are 16 or 32 bytes).
+pub(crate) fn vec_ok(h: usize, addresses: &[u64]) -> bool {
+    h.is_multiple_of(8) && addresses.iter().all(|a| a.is_multiple_of(16))
+}
+
 /// Threads of a block whose threads take 8 elements a step over a row of `h`: one step for
 /// rows up to 8192 elements (whole warps, 32 to 1024).
 pub(crate) fn eight_wide_threads(h: usize) -> u32 {

@@ -348,6 +348,15 @@ pub(crate) fn criterion(norm: &[bf16]) -> Criterion {
     }
 }
 
+/// `n` raw projection values in heads of `d`, each head at its own scale (10^(h % 5 - 2)):
+/// raw projections are not normalized.
+#[cfg(any(test, feature = "conformance"))]
+fn raw_heads(g: &mut SplitMix, n: usize, d: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (g.range(-1.0, 1.0) * 10f64.powi(((i / d) % 5) as i32 - 2)) as f32)
+        .collect()
+}
+
 #[cfg(any(test, feature = "conformance"))]
 fn case(
     rows: usize,
@@ -368,10 +377,7 @@ fn case(
         };
         let mut g = SplitMix::new(seed);
         let n = rows * cols * heads * d;
-        // Heads at different scales (raw projections are not normalized).
-        let x: Vec<f32> = (0..n)
-            .map(|i| (g.range(-1.0, 1.0) * 10f64.powi(((i / d) % 5) as i32 - 2)) as f32)
-            .collect();
+        let x = raw_heads(&mut g, n, d);
         let w = g.bf16_vec(d, -1.5, 1.5);
         let mut inputs = InputCheck::default();
         let xb = inputs.upload(be, "x", &x)?;
@@ -420,9 +426,7 @@ fn qkv_case(
         };
         let (_, table, nq, nkv, n) = p.sizes()?;
         let mut g = SplitMix::new(seed);
-        let x: Vec<f32> = (0..n)
-            .map(|i| (g.range(-1.0, 1.0) * 10f64.powi(((i / d) % 5) as i32 - 2)) as f32)
-            .collect();
+        let x = raw_heads(&mut g, n, d);
         let (wq, wk) = (g.bf16_vec(d, -1.5, 1.5), g.bf16_vec(d, -1.5, 1.5));
         // The table is an input of the Q/K/V form here (the CPU's, uploaded to both backends),
         // so the two outputs are compared independently of each other.

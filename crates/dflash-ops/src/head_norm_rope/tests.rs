@@ -13,6 +13,14 @@ fn hnr(x: &[f32], w: &[bf16], start: &[i32], p: &HeadNormRopeParams) -> Result<V
     be.download(&out)
 }
 
+/// Every element of `b` still holds the poison (nothing was written).
+fn all_poison(be: &Backend, b: &Buffer<bf16>) -> bool {
+    be.download(b)
+        .expect("dl")
+        .iter()
+        .all(|x| x.to_bits() == bf16::POISON.to_bits())
+}
+
 fn params(rows: usize, cols: usize, heads: usize, d: usize) -> HeadNormRopeParams {
     HeadNormRopeParams {
         rows,
@@ -95,12 +103,7 @@ fn bad_inputs_are_refused_without_writing() {
     p.theta = 0.0;
     let e = run(&be, &x, &w, &sp, &mut out, &p).expect_err("theta");
     assert!(matches!(e, OpsError::Param { param: "theta", .. }), "{e}");
-    assert!(
-        be.download(&out)
-            .expect("dl")
-            .iter()
-            .all(|v| v.to_bits() == bf16::POISON.to_bits())
-    );
+    assert!(all_poison(&be, &out));
     run(&be, &x, &w, &sp, &mut out, &params(2, 1, 1, 4)).expect("valid");
 }
 
@@ -304,12 +307,7 @@ fn qkv_form_refuses_bad_shapes_and_positions_without_writing() {
         "{e}"
     );
     for b in [&q, &k, &v] {
-        assert!(
-            be.download(b)
-                .expect("dl")
-                .iter()
-                .all(|x| x.to_bits() == bf16::POISON.to_bits())
-        );
+        assert!(all_poison(&be, b));
     }
     // Every other tensor of the fused form, short by one, named.
     let short_f = |n: usize| be.upload(&vec![0.0f32; n]).expect("up");
@@ -376,12 +374,7 @@ fn qkv_form_refuses_bad_shapes_and_positions_without_writing() {
         );
     }
     for b in [&q, &k, &v] {
-        assert!(
-            be.download(b)
-                .expect("dl")
-                .iter()
-                .all(|x| x.to_bits() == bf16::POISON.to_bits())
-        );
+        assert!(all_poison(&be, b));
     }
     let mut short_table = be.filled(3, f32::NAN).expect("alloc");
     let e =

@@ -3,7 +3,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, cuda_err, eight_wide_threads, kernel_int, slice_address};
+use crate::cuda::{CudaBackend, cuda_err, eight_wide_threads, kernel_int, slice_address, vec_ok};
 use crate::{Element, Result};
 
 use super::{OP, RowMap};
@@ -15,13 +15,6 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 
 /// Threads per row block of the one-element-a-step form.
 const THREADS: u32 = 256;
-
-/// Whether a kernel may take 8 elements a step: `h` a multiple of 8 and every tensor at a
-/// 16-byte aligned address (then every row start is: 8 BF16 or F32 elements are 16 or 32
-/// bytes). Also swiglu's test.
-pub(crate) fn vec_ok(h: usize, addresses: &[u64]) -> bool {
-    h.is_multiple_of(8) && addresses.iter().all(|a| a.is_multiple_of(16))
-}
 
 /// An input element type of the norm kernels.
 pub(crate) trait RmsInput: Element {

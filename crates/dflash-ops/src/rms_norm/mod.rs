@@ -79,8 +79,8 @@ impl RowMap {
         offset: 0,
     };
 
-    /// The x row of output row `i`.
-    pub fn source(&self, i: usize) -> usize {
+    /// The x row of output row `i` (a checked map: group >= 1).
+    fn source(&self, i: usize) -> usize {
         (i / self.group) * self.stride + self.offset + i % self.group
     }
 
@@ -299,6 +299,21 @@ pub(crate) fn criterion(w: &[bf16]) -> Criterion {
     }
 }
 
+/// `rows * hidden` values in [-1, 1) scaled per row by 1e-3 .. 1e3 (row r: 10^(r % 7 - 3)):
+/// the norm must remove the scale.
+#[cfg(any(test, feature = "conformance"))]
+fn scaled_rows(g: &mut SplitMix, rows: usize, hidden: usize) -> Vec<f64> {
+    (0..rows * hidden)
+        .map(|i| g.range(-1.0, 1.0) * row_scale(i / hidden))
+        .collect()
+}
+
+/// Row r's scale in the cases: 10^(r % 7 - 3).
+#[cfg(any(test, feature = "conformance"))]
+fn row_scale(r: usize) -> f64 {
+    10f64.powi((r % 7) as i32 - 3)
+}
+
 /// A case's `y` output: poisoned before the run, every element written.
 #[cfg(any(test, feature = "conformance"))]
 fn y_output(be: &Backend, w: &[bf16], y: &Buffer<bf16>) -> Result<crate::registry::CaseOutput> {
@@ -325,23 +340,24 @@ fn case(
             hidden,
             eps: 1e-6,
         };
-        // Rows at very different scales (the norm must remove the scale), weights of both signs.
-        let scales: Vec<f64> = (0..rows).map(|r| 10f64.powi((r % 7) as i32 - 3)).collect();
+        // Weights of both signs, rows at very different scales.
         let w = g.bf16_vec(hidden, -2.0, 2.0);
         let mut inputs = InputCheck::default();
         let wb = inputs.upload(be, "w", &w)?;
         let mut y = be.filled(rows * hidden, bf16::POISON)?;
         let mut modified = Vec::new();
         if f32_input {
-            let x: Vec<f32> = (0..rows * hidden)
-                .map(|i| (g.range(-1.0, 1.0) * scales[i / hidden]) as f32)
+            let x: Vec<f32> = scaled_rows(&mut g, rows, hidden)
+                .into_iter()
+                .map(|v| v as f32)
                 .collect();
             let xb = inputs.upload(be, "x", &x)?;
             run_f32(be, &xb, &wb, &mut y, &p)?;
             inputs.verify(be, "x", &xb, &mut modified)?;
         } else {
-            let x: Vec<bf16> = (0..rows * hidden)
-                .map(|i| bf16::from_f64(g.range(-1.0, 1.0) * scales[i / hidden]))
+            let x: Vec<bf16> = scaled_rows(&mut g, rows, hidden)
+                .into_iter()
+                .map(bf16::from_f64)
                 .collect();
             let xb = inputs.upload(be, "x", &x)?;
             run(be, &xb, &wb, &mut y, &p)?;
@@ -371,16 +387,16 @@ fn residual_case(
             eps: 1e-6,
         };
         let n = rows * hidden;
-        let scales: Vec<f64> = (0..rows).map(|r| 10f64.powi((r % 7) as i32 - 3)).collect();
         let w = g.bf16_vec(hidden, -2.0, 2.0);
-        let x0: Vec<bf16> = (0..n)
-            .map(|i| bf16::from_f64(g.range(-1.0, 1.0) * scales[i / hidden]))
+        let x0: Vec<bf16> = scaled_rows(&mut g, rows, hidden)
+            .into_iter()
+            .map(bf16::from_f64)
             .collect();
         let delta: Vec<bf16> = (0..n)
             .map(|i| match i % 3 {
                 0 => -x0[i],
-                1 => bf16::from_f64(g.range(-1.0, 1.0) * scales[i / hidden] * 1e-3),
-                _ => bf16::from_f64(g.range(-1.0, 1.0) * scales[i / hidden] * 8.0),
+                1 => bf16::from_f64(g.range(-1.0, 1.0) * row_scale(i / hidden) * 1e-3),
+                _ => bf16::from_f64(g.range(-1.0, 1.0) * row_scale(i / hidden) * 8.0),
             })
             .collect();
         let mut inputs = InputCheck::default();
@@ -424,8 +440,9 @@ fn rows_case(
             eps: 1e-6,
         };
         let x_rows = reqs * (k + 1);
-        let x: Vec<bf16> = (0..x_rows * hidden)
-            .map(|i| bf16::from_f64(g.range(-1.0, 1.0) * 10f64.powi(((i / hidden) % 7) as i32 - 3)))
+        let x: Vec<bf16> = scaled_rows(&mut g, x_rows, hidden)
+            .into_iter()
+            .map(bf16::from_f64)
             .collect();
         let w = g.bf16_vec(hidden, -2.0, 2.0);
         let mut inputs = InputCheck::default();
