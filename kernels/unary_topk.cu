@@ -8,15 +8,22 @@
 // Epilogue. Each block keeps, per column, its running top-16 (sorted, best first) in shared
 // memory; the 16th entry is the column's threshold. A column's 128 logits of a tile are held
 // by 32 threads ("holders": the lanes of its quad position in each of the 4 warps), 4 each.
-// After a tile, passes run until no holder has an unappended logit that beats its column's
-// threshold (in the total order):
+// With a pre-pass (the launcher's, for 64 columns and more on large heads: the argmax
+// epilogue over the head's first rows), every list starts full at a floor near its column's
+// top (see init), and a tile has only a few winners per column. Otherwise, before the passes
+// of a tile, a list that still has empty entries (a warpgroup's first tile) gets a floor from
+// the tile itself: the 16th largest of the 32 holders' best logits, below which no logit of
+// the column can end in its top 16; the list's entries below it become the floor, so the list
+// is full at that threshold (see fill_floor). Then passes run until no holder has an
+// unappended logit that beats its column's threshold (in the total order):
 // - a holder first skips the column when the max of its 4 logits is below a threshold that
 //   is not -inf (one compare: the steady state), or equals it while none of its ids is below
 //   the threshold's (ties: zero or duplicate head rows);
-// - while the column's list still has empty entries (threshold -inf: a block's first tile),
-//   it appends only its best not-yet-appended logit that beats the threshold and asks for
-//   another pass if a second one beats it too, so such a pass appends the best ones first
-//   and at most 32 (one per holder);
+// - while the column's list still has empty entries (threshold -inf: a first tile with fewer
+//   than 16 holders of candidates, whose floor is -inf), it appends only its best
+//   not-yet-appended logit that beats the threshold and asks for another pass if a second
+//   one beats it too, so such a pass appends the best ones first and at most 32 (one per
+//   holder);
 // - once the list is full, it appends every not-yet-appended logit that beats the threshold
 //   at once: one shared-memory atomic reserves their consecutive slots of the column's
 //   candidate buffer; those whose slot is past its UT_CAP entries stay unappended and ask for
@@ -28,25 +35,50 @@
 //   candidate one broadcast, compares and a ballot).
 // An element that failed a threshold can never enter later (thresholds only rise), so the
 // final lists are exact. Shared arrays are column-minor ([slot][NC]).
-// Merge: one block per column takes the top-16 of the P * 16 partial candidates (a sorted
-// list per thread, combined by bitonic top-16 merges: see unary_topk_merge).
+// Merge: one block per column takes the top-16 of the P * 16 partial candidates (the lists
+// held one entry a lane, combined by bitonic merges across the lanes of a warp: see
+// unary_topk_merge).
 
 #define UT_K 16
 #define UT_CAP 32  // candidate slots per column and pass (one per holder while the list is not full)
 #define UT_THREAD_MERGE_NC 64  // columns from which each column's thread merges its own list
+#define UT_FLOOR_MAX 64  // most pre-pass partials per column (the launcher's FLOOR_PARTS)
 
-// Insert (v, id) into the sorted (best first) register list if it beats the last entry.
+// Insert (v, id) into the sorted (best first) register list if it beats the last entry: one
+// compare per entry (whether (v, id) beats entry j - 1; the compare with entry j is the
+// previous step's), entries shifted down from the insertion point.
 __device__ __forceinline__ void ut_push(float (&lv)[UT_K], int (&li)[UT_K], float v, int id) {
     if (!ph_beats(v, id, lv[UT_K - 1], li[UT_K - 1])) return;
+    bool cur = true;  // (v, id) beats entry j (old value): known for j = UT_K - 1
 #pragma unroll
     for (int j = UT_K - 1; j > 0; --j) {
         // lv[j - 1] and lv[j] still hold their old values here (descending j).
-        const bool above_prev = ph_beats(v, id, lv[j - 1], li[j - 1]);
-        const bool above_cur = ph_beats(v, id, lv[j], li[j]);
-        if (above_prev) { lv[j] = lv[j - 1]; li[j] = li[j - 1]; }
-        else if (above_cur) { lv[j] = v; li[j] = id; }
+        const bool prev = ph_beats(v, id, lv[j - 1], li[j - 1]);
+        if (prev) { lv[j] = lv[j - 1]; li[j] = li[j - 1]; }
+        else if (cur) { lv[j] = v; li[j] = id; }
+        cur = prev;
     }
-    if (ph_beats(v, id, lv[0], li[0])) { lv[0] = v; li[0] = id; }
+    if (cur) { lv[0] = v; li[0] = id; }
+}
+
+// The 16th largest of N values (N a power of two >= 16; bitonic sort, descending; -inf sorts
+// last; no NaN).
+template <int N>
+__device__ __forceinline__ float ut_sixteenth(float (&h)[N]) {
+#pragma unroll
+    for (int k = 2; k <= N; k <<= 1)
+#pragma unroll
+        for (int j = k >> 1; j > 0; j >>= 1)
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const int l = i ^ j;
+                if (l <= i) continue;
+                const float a = h[i], b = h[l];
+                const bool desc = (i & k) == 0;
+                h[i] = desc ? fmaxf(a, b) : fminf(a, b);
+                h[l] = desc ? fminf(a, b) : fmaxf(a, b);
+            }
+    return h[UT_K - 1];
 }
 
 template <int NT>
@@ -63,17 +95,49 @@ struct PhTopk {
     PhRows rw;
     float* ws;
     int n;
-    __device__ __forceinline__ PhTopk(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_)
-        : rw(rows_), ws(ws_), n(n_) {
+    const float* floor_ws;  // the pre-pass's partials (see init), or null
+    int floor_parts;        // partials per column there (0: no pre-pass)
+    bool full = false;      // every list of this warpgroup is full (lists never empty again)
+    __device__ __forceinline__ PhTopk(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_,
+                                      const float* floor_ws_, int floor_parts_)
+        : rw(rows_), ws(ws_), n(n_), floor_ws(floor_ws_), floor_parts(floor_parts_) {
         lv = reinterpret_cast<float*>(epi_smem);
         li = reinterpret_cast<int*>(lv + NC * UT_K);
         cnt = li + NC * UT_K;
         cv = reinterpret_cast<float*>(cnt + NC);
         ci = reinterpret_cast<int*>(cv + NC * UT_CAP);
     }
+    // Empty lists, or (floor_parts > 0) lists full at the column's pre-pass floor. The
+    // pre-pass (the argmax epilogue over the head's first rows, its row ranges disjoint) left
+    // floor_parts (value, id) partials per column, each the best candidate of its range (or
+    // (-inf, no id) for a range without one); with f the 16th largest of their values (-inf
+    // for fewer than 16 candidates), 16 distinct candidates score at least f, so nothing
+    // below f can be in the column's top 16, and every entry becomes (f, PH_NO_ID), which
+    // ranks after every candidate scoring f (as fill_floor's). Then a tile's winners are the
+    // few logits at or above a floor near the column's top (no list fills one candidate at a
+    // time), and a list can end with floor entries: they rank after every candidate (all of
+    // which score at least f), and the at least 16 candidates of the pre-pass ranges, which
+    // the GEMM covers too, keep every one of them out of the merged top 16. Called before
+    // the first tile, while the first head tiles are loading (the partials' reads overlap
+    // them); thread c initializes column c (NC <= PH_THREADS).
     __device__ __forceinline__ void init() {
-        for (int e = ph_tid(); e < NC * UT_K; e += PH_THREADS) { lv[e] = PH_NEG_INF; li[e] = PH_NO_ID; }
-        for (int c = ph_tid(); c < NC; c += PH_THREADS) cnt[c] = 0;
+        const int c = ph_tid();
+        if (c >= NC) return;
+        const long long col = (long long)blockIdx.y * NC + c;
+        float f = PH_NEG_INF;
+        if (floor_parts > 0 && col < n) {
+            float h[UT_FLOOR_MAX];
+            const float2* src = reinterpret_cast<const float2*>(floor_ws) + col * floor_parts;
+#pragma unroll
+            for (int b = 0; b < UT_FLOOR_MAX; ++b) {
+                const float2 x = b < floor_parts ? src[b] : make_float2(PH_NEG_INF, __int_as_float(PH_NO_ID));
+                h[b] = __float_as_int(x.y) == PH_NO_ID ? PH_NEG_INF : x.x;
+            }
+            f = ut_sixteenth(h);
+        }
+#pragma unroll
+        for (int j = 0; j < UT_K; ++j) { lv[j * NC + c] = f; li[j * NC + c] = PH_NO_ID; }
+        cnt[c] = 0;
     }
 
     // Thread c: push column c's buffered candidates into its list (their order does not
@@ -125,12 +189,65 @@ struct PhTopk {
         if (lane == 0) cnt[c] = 0;
     }
 
+    // The floor of a tile for the lists with empty entries (a warpgroup's first tile): each
+    // holder's best candidate logit of each column (NaN and non-candidate rows left out) goes
+    // to the candidate buffer, which is free between tiles ([holder][NC]: 32 x NC); the
+    // column's thread takes f, the 16th largest of the 32. When f > -inf, 16 distinct
+    // candidates of this tile (one per holder) score at least f, so no candidate below f can
+    // end in the top 16: every entry of the list that does not beat (f, PH_NO_ID) becomes
+    // (f, PH_NO_ID), which ranks after every candidate scoring f. The list is then full at
+    // threshold f, and the tile's passes take the full-list path: one pass appends the few
+    // candidates at or above f at once (about 20 of the 128 for spread logits), instead of
+    // filling the list one holder's best at a time; those 16 candidates push every (f,
+    // PH_NO_ID) out, so none is ever written. f = -inf (fewer than 16 holders with a finite
+    // candidate) leaves the list as it is.
+    __device__ __forceinline__ void fill_floor(const float (&acc)[2][NT][4], const int (&ids)[4]) {
+        const int lane = ph_tid() & 31, warp = ph_tid() >> 5;
+        const int holder = warp * 8 + (lane >> 2);
+        static_assert(UT_CAP == 32 && PH_WARPS * 8 == 32, "the buffer holds one word per holder");
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float m = PH_NEG_INF;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float x = acc[k >> 1][nt][2 * (k & 1) + e];
+                    if (ids[k] != PH_NO_ID && x > m) m = x;  // NaN never passes
+                }
+                cv[holder * NC + nt * 8 + 2 * (lane & 3) + e] = m;
+            }
+        PH_SYNC();
+        const int c = ph_tid();
+        if (c < NC && lv[(UT_K - 1) * NC + c] == PH_NEG_INF) {
+            float h[32];
+#pragma unroll
+            for (int k = 0; k < 32; ++k) h[k] = cv[k * NC + c];
+            const float f = ut_sixteenth(h);
+            if (f != PH_NEG_INF) {
+#pragma unroll
+                for (int j = 0; j < UT_K; ++j) {
+                    if (!ph_beats(lv[j * NC + c], li[j * NC + c], f, PH_NO_ID)) {
+                        lv[j * NC + c] = f;
+                        li[j * NC + c] = PH_NO_ID;
+                    }
+                }
+            }
+        }
+        PH_SYNC();  // the floors are visible; the buffer is free again
+    }
+
     __device__ __forceinline__ void tile(const float (&acc)[2][NT][4], long long r0, long long row_end) {
         const int lane = ph_tid() & 31, warp = ph_tid() >> 5;
         // Element k = 2 * mt + h of a column: row ph_row(r0, mt, h), logit acc[mt][nt][2h + e].
         int ids[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) ids[k] = rw.id(ph_row(r0, k >> 1, k & 1), row_end);
+        if (!full) {  // until every list is full: a floor for those with empty entries
+            const int c = ph_tid();
+            if (PH_SYNC_OR(c < NC && lv[(UT_K - 1) * NC + c] == PH_NEG_INF)) fill_floor(acc, ids);
+            else full = true;
+        }
         const int id_min = min(min(ids[0], ids[1]), min(ids[2], ids[3]));
         // Bit 4 * (2 * nt + e) + k (of word nt / 4): appended already (or not a candidate).
         unsigned done[(NT + 3) / 4];
@@ -236,117 +353,87 @@ PH_TOPK_ENTRY(4)
 PH_TOPK_ENTRY(8)
 PH_TOPK_ENTRY(16)
 
-// Merge. One block per column, T = 32 * ceil(P / 32) threads (at most UT_MERGE_MAX_THREADS,
-// then a thread takes lists t, t + T, ...): thread t loads partial list t (16 entries, best
-// first) and folds any further list of its own into it with ut_merge16; the lanes of a warp
-// then combine their lists in 5 butterfly levels (at level k a lane takes its partner's list,
-// lane ^ 2^k, by shuffles and both keep the top 16 of the two: the same list, the order being
-// total), and warp 0 combines the warps' lists (through shared memory) the same way. Every
-// step keeps the exact top 16 of the lists it has seen, so the result is the column's top 16
-// best first; empty entries (-inf, no id) fill a column with fewer candidates. The partial
-// lists never hold NaN (the epilogue ranks NaN as -inf and never stores it).
-#define UT_MERGE_MAX_THREADS 512
-#define UT_MERGE_WARPS_MAX (UT_MERGE_MAX_THREADS / 32)
+// Merge. One block per column, UT_MERGE_WARPS warps. A list of 16 entries lives one entry a
+// lane: warp w keeps its running top 16 R in lanes 0..15 (best first) and folds partial lists
+// w, w + UT_MERGE_WARPS, ... into it: lanes 16..31 load the next list reversed (worst first),
+// so the 32 lanes hold a bitonic sequence, and 5 half-cleaner stages across the lanes (stride
+// 16, 8, 4, 2, 1: the lower lane of each pair keeps the better entry) sort it best first; R
+// is then lanes 0..15 again. A list whose best entry does not beat R's 16th cannot change R
+// and is skipped (one compare: after the first lists most are). The loads of
+// UT_MERGE_AHEAD lists are in flight together. The warps' lists are then folded the same
+// way, pairwise through shared memory (log2(UT_MERGE_WARPS) levels; warp 0 writes the result). Every step keeps the exact top 16 of the entries seen (the
+// order is total and the ids are distinct), so the result is the column's top 16, best
+// first; empty entries (-inf, no id) fill a column with fewer candidates. The partial lists
+// never hold NaN (the epilogue ranks NaN as -inf and never stores it); they may hold floor
+// entries (f, PH_NO_ID) of a pre-pass floor (see PhTopk::init), which rank after every
+// candidate and never reach the result (at least 16 candidates score f or more).
+#define UT_MERGE_WARPS 16
+#define UT_MERGE_THREADS (32 * UT_MERGE_WARPS)
+#define UT_MERGE_AHEAD 16
 
-// a := the top 16 of a and b (both sorted best first), sorted best first: c[j] = the better
-// of a[j] and b[15 - j] holds the 16 best of the union (a descending against b ascending) as a
-// bitonic sequence, which four half-cleaner stages sort (compare-exchange, better first).
-__device__ __forceinline__ void ut_merge16(float (&av)[UT_K], int (&ai)[UT_K], const float (&bv)[UT_K],
-                                           const int (&bi)[UT_K]) {
+// One bitonic merge step of the lanes' entries: lanes 0..15 sorted best first, lanes 16..31
+// worst first; afterwards all 32 sorted best first.
+__device__ __forceinline__ void ut_lane_merge(float& v, int& id) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int j = 0; j < UT_K; ++j) {
-        if (ph_beats(bv[UT_K - 1 - j], bi[UT_K - 1 - j], av[j], ai[j])) {
-            av[j] = bv[UT_K - 1 - j];
-            ai[j] = bi[UT_K - 1 - j];
+    for (int s = 16; s > 0; s >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, s);
+        const int oi = __shfl_xor_sync(0xffffffffu, id, s);
+        const bool take = (lane & s) == 0 ? ph_beats(ov, oi, v, id) : ph_beats(v, id, ov, oi);
+        if (take) { v = ov; id = oi; }
+    }
+}
+
+// grid (n), UT_MERGE_THREADS threads; top-16 of column blockIdx.x's P partial lists (16
+// (value, id bits) pairs each, best first) into scores[col * 16 + j], ids[col * 16 + j].
+extern "C" __global__ void __launch_bounds__(UT_MERGE_THREADS)
+unary_topk_merge(const float* __restrict__ ws, float* __restrict__ scores, int* __restrict__ ids, int P) {
+    __shared__ float w_v[UT_MERGE_WARPS][UT_K];
+    __shared__ int w_id[UT_MERGE_WARPS][UT_K];
+    const long long col = blockIdx.x;
+    const int warp = (int)(threadIdx.x >> 5), lane = (int)(threadIdx.x & 31);
+    const float2* src = reinterpret_cast<const float2*>(ws) + col * P * UT_K;
+    const int j = 31 - lane;  // lanes 16..31: entry j of a loaded list (worst first)
+    float v = PH_NEG_INF;
+    int id = PH_NO_ID;
+    for (int b0 = warp; b0 < P; b0 += UT_MERGE_WARPS * UT_MERGE_AHEAD) {
+        float2 x[UT_MERGE_AHEAD];
+#pragma unroll
+        for (int a = 0; a < UT_MERGE_AHEAD; ++a) {
+            const int b = b0 + a * UT_MERGE_WARPS;
+            x[a] = lane >= UT_K && b < P ? src[(long long)b * UT_K + j]
+                                         : make_float2(PH_NEG_INF, __int_as_float(PH_NO_ID));
+        }
+#pragma unroll
+        for (int a = 0; a < UT_MERGE_AHEAD; ++a) {
+            // Lane 31 holds the list's best entry, lane 15 R's 16th.
+            const float bv = __shfl_sync(0xffffffffu, x[a].x, 31);
+            const int bi = __float_as_int(__shfl_sync(0xffffffffu, x[a].y, 31));
+            const float rv = __shfl_sync(0xffffffffu, v, UT_K - 1);
+            const int ri = __shfl_sync(0xffffffffu, id, UT_K - 1);
+            if (!ph_beats(bv, bi, rv, ri)) continue;  // warp-uniform
+            if (lane >= UT_K) { v = x[a].x; id = __float_as_int(x[a].y); }
+            ut_lane_merge(v, id);
         }
     }
-#pragma unroll
-    for (int stride = UT_K / 2; stride > 0; stride >>= 1) {
-#pragma unroll
-        for (int j = 0; j < UT_K; ++j) {
-            if (j & stride) continue;
-            if (ph_beats(av[j + stride], ai[j + stride], av[j], ai[j])) {
-                const float tv = av[j];
-                const int ti = ai[j];
-                av[j] = av[j + stride];
-                ai[j] = ai[j + stride];
-                av[j + stride] = tv;
-                ai[j + stride] = ti;
+    // The warps' lists, folded pairwise: at the level of stride h, warp w < h folds warp w +
+    // h's list into its own (skipped when that list's best does not beat its 16th).
+    if (lane < UT_K) { w_v[warp][lane] = v; w_id[warp][lane] = id; }
+#pragma unroll 1
+    for (int h = UT_MERGE_WARPS / 2; h > 0; h >>= 1) {
+        __syncthreads();  // level h's lists (slots < 2h) are written; none is read and written at once
+        if (warp < h) {
+            const float rv = __shfl_sync(0xffffffffu, v, UT_K - 1);
+            const int ri = __shfl_sync(0xffffffffu, id, UT_K - 1);
+            if (ph_beats(w_v[warp + h][0], w_id[warp + h][0], rv, ri)) {  // warp-uniform
+                if (lane >= UT_K) { v = w_v[warp + h][j]; id = w_id[warp + h][j]; }
+                ut_lane_merge(v, id);
+                if (lane < UT_K) { w_v[warp][lane] = v; w_id[warp][lane] = id; }
             }
         }
     }
-}
-
-// Lanes of a warp: each ends with the top 16 of all 32 lanes' lists.
-__device__ __forceinline__ void ut_warp_merge(float (&v)[UT_K], int (&id)[UT_K]) {
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        float ov[UT_K];
-        int oi[UT_K];
-#pragma unroll
-        for (int j = 0; j < UT_K; ++j) {
-            ov[j] = __shfl_xor_sync(0xffffffffu, v[j], off);
-            oi[j] = __shfl_xor_sync(0xffffffffu, id[j], off);
-        }
-        ut_merge16(v, id, ov, oi);
-    }
-}
-
-// Load partial list `src` (16 (value, id bits) pairs, 128-byte aligned) into registers.
-__device__ __forceinline__ void ut_load_list(const float* __restrict__ src, float (&v)[UT_K], int (&id)[UT_K]) {
-#pragma unroll
-    for (int q = 0; q < UT_K / 2; ++q) {
-        const float4 x = reinterpret_cast<const float4*>(src)[q];
-        v[2 * q] = x.x;
-        id[2 * q] = __float_as_int(x.y);
-        v[2 * q + 1] = x.z;
-        id[2 * q + 1] = __float_as_int(x.w);
-    }
-}
-
-// grid (n), T threads as above; top-16 of column blockIdx.x's P * 16 partial candidates into
-// scores[col * 16 + j], ids[col * 16 + j].
-extern "C" __global__ void __launch_bounds__(UT_MERGE_MAX_THREADS)
-unary_topk_merge(const float* __restrict__ ws, float* __restrict__ scores, int* __restrict__ ids, int P) {
-    __shared__ float w_v[UT_MERGE_WARPS_MAX][UT_K];
-    __shared__ int w_id[UT_MERGE_WARPS_MAX][UT_K];
-    const long long col = blockIdx.x;
-    const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
-    const int warps = (int)(blockDim.x >> 5);
-    const float* src = ws + col * P * UT_K * 2;
-    float v[UT_K];
-    int id[UT_K];
-#pragma unroll
-    for (int j = 0; j < UT_K; ++j) { v[j] = PH_NEG_INF; id[j] = PH_NO_ID; }
-    if (t < P) ut_load_list(src + (long long)t * UT_K * 2, v, id);
-    for (int b = t + (int)blockDim.x; b < P; b += (int)blockDim.x) {
-        float bv[UT_K];
-        int bi[UT_K];
-        ut_load_list(src + (long long)b * UT_K * 2, bv, bi);
-        ut_merge16(v, id, bv, bi);
-    }
-    ut_warp_merge(v, id);
-    if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < UT_K; ++j) { w_v[warp][j] = v[j]; w_id[warp][j] = id[j]; }
-    }
-    __syncthreads();
-    if (warp != 0) return;
-#pragma unroll
-    for (int j = 0; j < UT_K; ++j) {
-        v[j] = lane < warps ? w_v[lane][j] : PH_NEG_INF;
-        id[j] = lane < warps ? w_id[lane][j] : PH_NO_ID;
-    }
-    ut_warp_merge(v, id);
-    // Lane j writes entry j (a compile-time register index per lane: one select each).
-    float ov = PH_NEG_INF;
-    int oi = PH_NO_ID;
-#pragma unroll
-    for (int j = 0; j < UT_K; ++j) {
-        if (lane == j) { ov = v[j]; oi = id[j]; }
-    }
-    if (lane < UT_K) {
-        scores[col * UT_K + lane] = ov;
-        ids[col * UT_K + lane] = oi;
+    if (warp == 0 && lane < UT_K) {
+        scores[col * UT_K + lane] = v;
+        ids[col * UT_K + lane] = id;
     }
 }

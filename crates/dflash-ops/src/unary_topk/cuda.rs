@@ -7,14 +7,17 @@ use std::sync::OnceLock;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{OP, Params};
+use super::{FLOOR_BLOCKS, FLOOR_MIN_COLUMNS, FLOOR_MIN_ROWS, FLOOR_ROWS, OP, Params};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::proposal_argmax::cuda::SOURCE as SHARED;
-use crate::proposal_argmax::head::{HeadKernels, cuda::launch_gemm};
+use crate::proposal_argmax::head::{
+    self, HeadKernels,
+    cuda::{GemmPlace, launch_gemm},
+};
 use crate::{Buffer, Result};
 
-/// Most threads of a merge block (`UT_MERGE_MAX_THREADS`, its launch bound).
-const MERGE_MAX_THREADS: usize = 512;
+/// Threads of a merge block (`UT_MERGE_THREADS`, its launch bound).
+const MERGE_THREADS: u32 = 512;
 
 const OWN: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -53,6 +56,25 @@ fn kernels() -> HeadKernels {
     }
 }
 
+/// The pre-pass: the argmax epilogue's entry points of the same modules (the shared driver
+/// is compiled with both epilogues).
+fn floor_kernels() -> HeadKernels {
+    HeadKernels {
+        op: OP,
+        source: source(),
+        sm90a_module: SM90A_MODULE,
+        sm90a_source: sm90a_source(),
+        names: [
+            "proposal_argmax_gemm_nt1",
+            "proposal_argmax_gemm_nt2",
+            "proposal_argmax_gemm_nt4",
+            "proposal_argmax_gemm_nt8",
+            "proposal_argmax_gemm_nt16",
+        ],
+        epilogue: crate::proposal_argmax::EPILOGUE,
+    }
+}
+
 pub(super) fn run(
     c: &CudaBackend,
     hidden: &Buffer<bf16>,
@@ -63,14 +85,53 @@ pub(super) fn run(
     workspace: &mut Buffer<f32>,
     p: &Params,
 ) -> Result<()> {
-    let blocks = launch_gemm(c, &kernels(), hidden, head_w, token_ids, workspace, p)?;
+    // The pre-pass (see the module's CUDA notes): the best candidate of each of
+    // FLOOR_BLOCKS ranges of 128 rows at the head's start, per column, into the workspace
+    // past the GEMM's partials; the GEMM's epilogue starts every list at the floor they give.
+    let floor = if p.n >= FLOOR_MIN_COLUMNS && p.rows >= FLOOR_MIN_ROWS {
+        let offset = head::workspace_len(p, super::TOP_K);
+        let pre = Params {
+            rows: FLOOR_ROWS,
+            ..*p
+        };
+        let place = GemmPlace {
+            partials: offset,
+            floor: None,
+            blocks: Some(FLOOR_BLOCKS),
+        };
+        let (parts, _) = launch_gemm(
+            c,
+            &floor_kernels(),
+            hidden,
+            head_w,
+            token_ids,
+            workspace,
+            &pre,
+            place,
+        )?;
+        Some((offset, parts))
+    } else {
+        None
+    };
+    let place = GemmPlace {
+        partials: 0,
+        floor,
+        blocks: None,
+    };
+    let (blocks, _) = launch_gemm(
+        c,
+        &kernels(),
+        hidden,
+        head_w,
+        token_ids,
+        workspace,
+        p,
+        place,
+    )?;
     let f = c.function(OP, source(), "unary_topk_merge")?;
-    // One thread per partial list, in whole warps, at most MERGE_MAX_THREADS (then a thread
-    // folds several lists).
-    let threads = blocks.div_ceil(32).clamp(1, MERGE_MAX_THREADS / 32) * 32;
     let cfg = LaunchConfig {
         grid_dim: (p.n as u32, 1, 1),
-        block_dim: (threads as u32, 1, 1),
+        block_dim: (MERGE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let parts = blocks as i32;
@@ -79,8 +140,8 @@ pub(super) fn run(
     b.arg(scores.device_mut(OP, "scores")?);
     b.arg(ids.device_mut(OP, "ids")?);
     b.arg(&parts);
-    // SAFETY: argument types and order match unary_topk_merge (launched with a multiple of 32
-    // threads, at most its launch bound); the GEMM above wrote `blocks` lists of 16 partials
+    // SAFETY: argument types and order match unary_topk_merge (launched with its launch
+    // bound's thread count, which it assumes); the GEMM above wrote `blocks` lists of 16 partials
     // for each of the n columns; scores and ids have 16n elements.
     unsafe { b.launch(cfg) }.map_err(cuda_err("launching unary_topk_merge"))?;
     Ok(())

@@ -32,25 +32,40 @@
 //! CUDA (kernels/unary_topk.cu, compiled after kernels/proposal_argmax.cu whose fused head
 //! GEMM drivers, portable and sm_90a, it shares). Each GEMM warpgroup keeps a running top-16
 //! per column in shared memory, whose 16th entry is the column's threshold. A column's 128
-//! logits of a tile are held by 32 threads, 4 each. After every tile, passes run until no
-//! holder has a logit left that beats its column's threshold: a holder skips the column with
-//! one compare when the max of its 4 logits is below a full list's threshold (or equals it
-//! while none of its ids is below the threshold's: ties, as zero or duplicate head rows give,
-//! beat it only with a lower id). While the list still has empty entries (a warpgroup's first
-//! tile) a holder appends only its best logit that beats the threshold to the column's
-//! candidate buffer (32 slots: one per holder) and asks for another pass if a second one
-//! does, so the thresholds rise fast; once the list is full it appends all its winners at
-//! once (one atomic reserves their slots; winners past the 32 slots wait for another pass, at
-//! a higher threshold), so a steady-state tile takes one pass. The candidates are then merged
-//! into the list: from 64 columns on by the column's own thread (the list in registers, one
+//! logits of a tile are held by 32 threads, 4 each. For 33 columns and more on heads of at
+//! least 16384 rows, a pre-pass runs first: the argmax epilogue of the same GEMM over the
+//! head's first 4096 rows in 32 ranges of 128 (their best candidate per column, into the
+//! workspace past the partials); each GEMM warpgroup starts its lists full at f, the 16th
+//! largest of those bests (16 distinct candidates score at least f, so nothing below it can
+//! be in the top 16), as entries (f, no id) that rank after every candidate scoring f. A
+//! tile then has only the few winners at or above a floor near the column's top, and no list
+//! is filled one candidate at a time (filling 264 lists of 128 columns from their first
+//! tiles cost about 60 us of a 248-us head read). Lists can end with floor entries; the at
+//! least 16 candidates behind f, which the GEMM also reads, keep them out of the result.
+//! Without a pre-pass (or where its f is -inf), a list that still has empty entries (a
+//! warpgroup's first tile) first gets a floor from the tile: f, the 16th largest of the 32
+//! holders' best candidate logits; 16 distinct candidates score at least f, so nothing below
+//! f can end in the top 16, and the list's entries that do not beat (f, no id) become (f, no
+//! id): the list is full at threshold f (its floor entries rank after every candidate scoring
+//! f, and the tile's at least 16 candidates at f or above push them all out, so none is ever
+//! written). After every tile, passes run until no holder has a logit left that beats its
+//! column's threshold: a holder skips the column with one compare when the max of its 4
+//! logits is below a full list's threshold (or equals it while none of its ids is below the
+//! threshold's: ties, as zero or duplicate head rows give, beat it only with a lower id); it
+//! appends all its winners at once (one atomic reserves their slots of the column's 32-slot
+//! candidate buffer; winners past the 32 slots wait for another pass, at a higher threshold),
+//! so a tile takes one pass for spread logits (about 20 candidates on a first tile, a few on
+//! later ones). Only a list whose floor is -inf (fewer than 16 holders with a candidate) stays
+//! with empty entries; there a holder appends only its best logit that beats the threshold
+//! and asks for another pass if a second one does. The candidates are then merged into the
+//! list: from 64 columns on by the column's own thread (the list in registers, one
 //! compare-and-shift insertion each, all columns at once), below that by one warp per
 //! column, by rank. This is exact because thresholds only rise.
-//! Each warpgroup writes its list per column; the merge (one block per column, one thread per
-//! partial list up to 512 threads, beyond which a thread first folds several lists) takes the
-//! top 16 of the P * 16 partials: the lists are combined pairwise (lanes of a warp by shuffles
-//! in 5 butterfly levels, then the warps' lists in one warp), each step keeping the top 16 of
-//! two sorted lists by a bitonic merge (the better of `a[j]` and `b[15 - j]`, then four
-//! half-cleaner stages).
+//! Each warpgroup writes its list per column; the merge (one block of 16 warps per column)
+//! takes the top 16 of the P * 16 partials: a warp holds a list one entry a lane and folds the
+//! partial lists into it one at a time (the next list reversed in the upper 16 lanes, then a
+//! bitonic merge across the lanes in 5 shuffle stages), skipping a list whose best entry does
+//! not beat its 16th; the warps' lists are then folded pairwise the same way.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -94,10 +109,32 @@ pub(crate) const EPILOGUE: crate::proposal_argmax::head::Epilogue =
         wgmma_stages: 4,
     };
 
-/// f32 elements the `workspace` of [`run`] must have at least: `n * 1024 * 32` (a top-16
-/// list of (value, id) partials per column for each of at most 1024 GEMM blocks).
+/// Rows of the CUDA pre-pass: `FLOOR_BLOCKS` ranges of 128 rows at the head's start.
+#[cfg(feature = "cuda")]
+const FLOOR_ROWS: usize = FLOOR_BLOCKS * 128;
+
+/// Blocks of the CUDA pre-pass (one 128-row range each).
+#[cfg(feature = "cuda")]
+const FLOOR_BLOCKS: usize = 32;
+
+/// Most partials per column the pre-pass writes (`UT_FLOOR_MAX`: `FLOOR_BLOCKS` blocks of
+/// at most two consumer warpgroups).
+const FLOOR_PARTS: usize = 64;
+
+/// The pre-pass runs for this many columns and more (a column tile of 64, where the lists'
+/// first fills no longer hide behind the head read)...
+#[cfg(feature = "cuda")]
+const FLOOR_MIN_COLUMNS: usize = 33;
+
+/// ... on heads of this many rows and more (the pre-pass reads at most a quarter more).
+#[cfg(feature = "cuda")]
+const FLOOR_MIN_ROWS: usize = 4 * FLOOR_ROWS;
+
+/// f32 elements the `workspace` of [`run`] must have at least: `n * (1024 * 32 + 64 * 2)` (a
+/// top-16 list of (value, id) partials per column for each of at most 1024 GEMM blocks, then
+/// the pre-pass's (value, id) per column for each of at most 64 ranges).
 pub fn workspace_len(p: &Params) -> usize {
-    head::workspace_len(p, TOP_K)
+    head::workspace_len(p, TOP_K).saturating_add(p.n.saturating_mul(FLOOR_PARTS * 2))
 }
 
 /// Select the top-16 candidates of each of `n` columns (see the module contract).
@@ -125,7 +162,16 @@ pub fn run(
         format!("[n={n}, 16]")
     })?;
     check_len(OP, "ids", ids.len(), out_len, || format!("[n={n}, 16]"))?;
-    head::check_workspace(OP, params, TOP_K, workspace)?;
+    let need = workspace_len(params);
+    if workspace.len() < need {
+        return Err(OpsError::Length {
+            op: OP,
+            tensor: "workspace",
+            expected: need,
+            shape: format!("at least n * (1024 * 32 + {FLOOR_PARTS} * 2) for n={n}"),
+            found: workspace.len(),
+        });
+    }
     if n == 0 {
         return Ok(());
     }
@@ -301,8 +347,9 @@ fn run_case(
 /// Conformance cases: the official Text head (248320 rows, 248077 public) with the 27B width
 /// at 7 and 15 columns, 120 columns (the widest column tile) at the 35B width, the official
 /// 131072-row shortlist with a shuffled map, coarse fills with many ties among the 16, rising
-/// and all-equal logits (60000 rows), and small odd shapes (100 columns for the wgmma
-/// driver).
+/// and all-equal logits (60000 rows; rising also with 1500 and 3000 public rows, where the
+/// CUDA pre-pass finds too few candidates for a floor, or a floor from a few), and small odd
+/// shapes (100 columns for the wgmma driver).
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
@@ -338,6 +385,17 @@ pub(crate) fn cases() -> Vec<Case> {
                 full_case(n, 60_000, 64, 59_993, make),
             ));
         }
+    }
+    // The CUDA pre-pass (33 columns and more, 16384 rows and more) reads the first 4096 rows
+    // in 32 ranges of 128: with 1500 public rows only 12 ranges hold a candidate (no floor:
+    // the lists fill from their tiles), with 3000 rows 24 do (a floor from the public rows'
+    // start, far below the rising logits' top).
+    for public in [1500, 3000] {
+        cases.push(Case::new(
+            OP,
+            format!("full_rising_rows_60000_public_{public}_h64_n120"),
+            full_case(120, 60_000, 64, public, rising_inputs),
+        ));
     }
     cases.extend([
         Case::new(

@@ -343,7 +343,8 @@ mod model {
 }
 
 /// A model of the CUDA top-16 epilogue (`PhTopk` in kernels/unary_topk.cu), one column of
-/// one block: the running list; per tile, 32 holders of 4 logits each; passes in which every
+/// one block: the running list; per tile, 32 holders of 4 logits each; the floor a list with
+/// empty entries takes from the tile (`fill_floor`); passes in which every
 /// holder first skips the column when its max is below a full list's threshold, else appends
 /// its best unappended logit that beats the threshold (in any holder order: the kernel's
 /// shared-memory atomics) and asks for another pass if a second one does; both merges of the
@@ -359,23 +360,54 @@ mod epilogue_model {
     const HOLDERS: usize = 32;
 
     /// `ut_push` exactly as the kernel runs it: skip unless `x` beats the last entry, then one
-    /// compare-and-shift step per slot from the end (both compares against the old values).
+    /// compare-and-shift step per slot from the end, each step comparing `x` with the old entry
+    /// above and reusing the previous step's compare for its own slot.
     fn push(list: &mut [Entry; K], x: Entry) {
         if !beats(x, list[K - 1]) {
             return;
         }
+        let mut cur = true;
         for j in (1..K).rev() {
-            let above_prev = beats(x, list[j - 1]);
-            let above_cur = beats(x, list[j]);
-            if above_prev {
+            let prev = beats(x, list[j - 1]);
+            if prev {
                 list[j] = list[j - 1];
-            } else if above_cur {
+            } else if cur {
                 list[j] = x;
             }
+            cur = prev;
         }
-        if beats(x, list[0]) {
+        if cur {
             list[0] = x;
         }
+    }
+
+    /// `fill_floor` of one column: for a list whose 16th entry is -inf, f = the 16th largest of
+    /// the holders' best candidate logits (non-candidates and NaN left out, -inf for a holder
+    /// with none; the kernel's `x > m` from -inf); when f > -inf every entry that does not beat
+    /// (f, NO_ID) becomes (f, NO_ID). Returns f (None: no floor taken).
+    fn floor(list: &mut [Entry; K], holders: &[[Entry; 4]]) -> Option<f32> {
+        if list[K - 1].0 != f32::NEG_INFINITY {
+            return None;
+        }
+        assert_eq!(holders.len(), HOLDERS);
+        let mut maxes: Vec<f32> = holders
+            .iter()
+            .map(|h| {
+                h.iter()
+                    .filter(|e| e.1 != NO_ID)
+                    .fold(f32::NEG_INFINITY, |m, e| if e.0 > m { e.0 } else { m })
+            })
+            .collect();
+        maxes.sort_by(|a, b| b.total_cmp(a));
+        let f = maxes[K - 1];
+        if f != f32::NEG_INFINITY {
+            for e in list.iter_mut() {
+                if !beats(*e, (f, NO_ID)) {
+                    *e = (f, NO_ID);
+                }
+            }
+        }
+        Some(f)
     }
 
     /// The two merges of a pass's candidates into the list.
@@ -435,6 +467,9 @@ mod epilogue_model {
         mut order: impl FnMut(usize) -> Vec<usize>,
     ) -> usize {
         let mut done: Vec<[bool; 4]> = holders.iter().map(|h| h.map(|e| e.1 == NO_ID)).collect();
+        // A floor taken from this tile is always pushed out by the tile's candidates (a list
+        // started at a pre-pass floor may keep floor entries).
+        let filled = floor(list, holders).is_some_and(|f| f != f32::NEG_INFINITY);
         for pass in 0.. {
             // While the list is not full a holder appends one element per pass (at most 4
             // such passes); after that a pass either appends all its winners or fills the
@@ -508,6 +543,10 @@ mod epilogue_model {
                 merge(list, &buf, how);
             }
             if !more {
+                assert!(
+                    !filled || list.iter().all(|e| e.1 != NO_ID),
+                    "a floor entry is left in the list after the tile: {list:?}"
+                );
                 return pass + 1;
             }
         }
@@ -578,6 +617,130 @@ mod epilogue_model {
         }
     }
 
+    /// The CUDA pre-pass and the lists it starts (`PhTopk::init`): the best candidate (NaN as
+    /// -inf) of each of `ranges` equal ranges at the start of `rows`, f = the 16th largest of
+    /// their values (non-candidates -inf), every entry (f, NO_ID) when f > -inf.
+    fn prepass_list(rows: &[Entry], ranges: usize, per: usize) -> [Entry; K] {
+        let mut bests: Vec<f32> = rows[..ranges * per]
+            .chunks(per)
+            .map(|r| {
+                r.iter()
+                    .filter(|e| e.1 != NO_ID)
+                    .map(|&(v, id)| (if v.is_nan() { f32::NEG_INFINITY } else { v }, id))
+                    .fold(EMPTY, |b, e| if beats(e, b) { e } else { b })
+            })
+            .map(|b| if b.1 == NO_ID { f32::NEG_INFINITY } else { b.0 })
+            .collect();
+        bests.sort_by(|a, b| b.total_cmp(a));
+        let f = bests.get(K - 1).copied().unwrap_or(f32::NEG_INFINITY);
+        if f == f32::NEG_INFINITY {
+            [EMPTY; K]
+        } else {
+            [(f, NO_ID); K]
+        }
+    }
+
+    #[test]
+    fn the_prepass_floor_is_the_16th_best_range_and_keeps_every_one_of_the_top16() {
+        // 256 rows in 32 ranges of 8: range r's best is row 8r + 3 at 100 - r, every other
+        // row scores 0; two warpgroups of one tile. The 16 range bests are the top 16, the
+        // floor is the 16th of them (85): one place higher would lose row 123 (85.0).
+        let rows: Vec<Entry> = (0..256i32)
+            .map(|i| {
+                let v = if i % 8 == 3 {
+                    100.0 - (i / 8) as f32
+                } else {
+                    0.0
+                };
+                (v, i)
+            })
+            .collect();
+        let start = prepass_list(&rows, 32, 8);
+        assert_eq!(start, [(85.0, NO_ID); K]);
+        for how in MERGES {
+            let mut union = Vec::new();
+            for w in 0..2 {
+                let mut list = start;
+                let order: Vec<usize> = (0..HOLDERS).collect();
+                tile_into(&mut list, how, &order, |_, r| rows[w * 128 + r as usize]);
+                union.extend_from_slice(&list);
+            }
+            union.retain(|e| e.1 != NO_ID);
+            union.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let ids: Vec<i32> = union.iter().map(|e| e.1).collect();
+            assert_eq!(
+                ids,
+                (0..16).map(|r| 8 * r + 3).collect::<Vec<i32>>(),
+                "merge {how:?}"
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn lists_started_at_the_prepass_floor_merge_to_the_exact_top16(
+            wgs in 1usize..4,
+            tiles in 1usize..3,
+            levels in prop::collection::vec(0u16..400, 128 * 6),
+            coarse in any::<bool>(),
+            holes in prop::collection::vec(0u8..12, 128 * 6),
+            per in 1usize..8,
+            cover in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            // Rows split among `wgs` warpgroups of `tiles` tiles each; the pre-pass reads 32
+            // ranges of `per` rows at the start (`cover`: all the rows, so its 16 bests can be
+            // the top 16 themselves and a floor one place too high loses the 16th); the GEMM
+            // reads them too. The warpgroups' lists, merged by a sort in the total order (the
+            // merge's result, floor entries included), must be the exact top 16: no floor
+            // entry may survive. Values from a few levels (`coarse`: ties everywhere) or many,
+            // some NaN.
+            let n = wgs * tiles * 128;
+            let per = if cover { n / 32 } else { per };
+            prop_assume!(32 * per <= n);
+            let mut rng = seed | 1;
+            let mut next = move || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng
+            };
+            let rows: Vec<Entry> = (0..n)
+                .map(|i| {
+                    let l = if coarse { levels[i] % 7 } else { levels[i] };
+                    let v = if l == 6 { f32::NAN } else { f32::from(l) * 0.5 };
+                    (v, if holes[i] == 0 { NO_ID } else { i as i32 })
+                })
+                .collect();
+            for how in MERGES {
+                let start = prepass_list(&rows, 32, per);
+                let mut union = Vec::new();
+                for w in 0..wgs {
+                    let mut list = start;
+                    for t in 0..tiles {
+                        let base = (w * tiles + t) * 128;
+                        let p = shuffled(128, &mut next);
+                        let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+                            .map(|h| std::array::from_fn(|k| rows[base + p[4 * h + k]]))
+                            .collect();
+                        tile(&mut list, &holders, how, |_| shuffled(HOLDERS, &mut next));
+                    }
+                    union.extend_from_slice(&list);
+                }
+                union.sort_by(|a, b| {
+                    if beats(*a, *b) {
+                        std::cmp::Ordering::Less
+                    } else if beats(*b, *a) {
+                        std::cmp::Ordering::Greater
+                    } else {
+                        std::cmp::Ordering::Equal
+                    }
+                });
+                prop_assert_eq!(union[..K].to_vec(), reference(&rows), "merge {:?}", how);
+            }
+        }
+    }
+
     /// One tile whose holder h holds the elements `elem(h, row)` of rows 4h..4h+3, merged by
     /// `how` into `list` with holders appending in `order`: the number of passes.
     fn tile_into(
@@ -633,6 +796,47 @@ mod epilogue_model {
             let mut want = vec![3, 23, 43, 63, 83, 103, 123];
             want.resize(K, NO_ID);
             assert_eq!(got, want, "merge {how:?}");
+        }
+    }
+
+    #[test]
+    fn a_first_tile_takes_its_floor_and_then_one_pass() {
+        // Holder h holds rows h, h + 32, h + 64, h + 96 (the logit is the row): the holders'
+        // best are 96..127, their 16th largest is 112, and exactly rows 112..127 reach it, so
+        // one pass appends those 16 (and no floor entry is left: `tile` checks).
+        for how in MERGES {
+            let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+                .map(|h| std::array::from_fn(|k| ((h + 32 * k) as f32, (h + 32 * k) as i32)))
+                .collect();
+            let mut probe = [EMPTY; K];
+            assert_eq!(floor(&mut probe, &holders), Some(112.0));
+            assert!(probe.iter().all(|&e| e == (112.0, NO_ID)));
+            let mut list = [EMPTY; K];
+            let passes = tile(&mut list, &holders, how, |_| (0..HOLDERS).collect());
+            assert_eq!(passes, 1, "merge {how:?}");
+            let ids: Vec<i32> = list.iter().map(|e| e.1).collect();
+            assert_eq!(ids, (112..128).rev().collect::<Vec<i32>>(), "merge {how:?}");
+            // A full list takes no floor.
+            assert_eq!(floor(&mut list, &holders), None);
+        }
+    }
+
+    #[test]
+    fn a_floor_keeps_the_entries_that_beat_it_and_ties_still_enter() {
+        // A list with two real entries, one above the floor and one below; the tile's holders
+        // all have 1.0 (ids 1000 + row): f = 1.0; (3.0, 7) stays, (0.5, 9) goes, and the
+        // 1.0s with the lowest ids fill the rest.
+        for how in MERGES {
+            let mut list = [EMPTY; K];
+            list[0] = (3.0, 7);
+            list[1] = (0.5, 9);
+            let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+                .map(|h| std::array::from_fn(|k| (1.0, 1000 + (4 * h + k) as i32)))
+                .collect();
+            tile(&mut list, &holders, how, |_| (0..HOLDERS).rev().collect());
+            let mut want = vec![(3.0, 7)];
+            want.extend((1000..1015).map(|r| (1.0, r)));
+            assert_eq!(list.to_vec(), want, "merge {how:?}");
         }
     }
 
@@ -757,73 +961,79 @@ fn equal_fixture_takes_the_lowest_16_ids_at_the_columns_power_of_two() -> Result
     Ok(())
 }
 
-/// A model of the CUDA merge of the partial lists (`unary_topk_merge`: `ut_merge16` and the
-/// butterfly levels of `ut_warp_merge`), checked against a sort of the union: a wrong bitonic
-/// step (b not reversed, a missing half-cleaner stage), a butterfly that drops a lane or a
-/// fold of a second list per thread that loses entries fails here without a GPU.
+/// A model of the CUDA merge of the partial lists (`unary_topk_merge`: the warps' folds by
+/// `ut_lane_merge`, the skip of a list that cannot enter, then the pairwise folds of the
+/// warps' lists), checked against a sort of the union: a list loaded in the wrong order, a wrong
+/// half-cleaner (which lane keeps the better entry, a missing stride), a skip that drops a
+/// list that could enter or a warp's list left out of the pairwise folds fails here without a
+/// GPU.
 mod merge_model {
     use super::model::{EMPTY, Entry, K, NO_ID, beats};
     use proptest::prelude::*;
 
-    /// `ut_merge16`: the better of a[j] and b[15 - j], then half-cleaners of stride 8, 4, 2, 1.
-    fn merge16(a: &mut [Entry; K], b: &[Entry; K]) {
-        for j in 0..K {
-            if beats(b[K - 1 - j], a[j]) {
-                a[j] = b[K - 1 - j];
-            }
-        }
-        let mut stride = K / 2;
-        while stride > 0 {
-            for j in (0..K).filter(|j| j & stride == 0) {
-                if beats(a[j + stride], a[j]) {
-                    a.swap(j, j + stride);
-                }
-            }
-            stride /= 2;
-        }
-    }
+    /// Warps of a merge block (`UT_MERGE_WARPS`).
+    const WARPS: usize = 16;
 
-    /// `ut_warp_merge` over up to 32 lanes: level `off` gives lane l the merge of its list with
-    /// lane l ^ off's (every lane's result of the level computed from the level's inputs).
-    fn butterfly(lanes: &mut [[Entry; K]; 32]) {
-        let mut off = 1;
-        while off < 32 {
+    /// `ut_lane_merge`: lanes 0..15 best first, 16..31 worst first (a bitonic sequence); the
+    /// half-cleaners of stride 16, 8, 4, 2, 1, the lower lane of each pair keeping the better
+    /// entry (every lane's result of a stage computed from the stage's inputs).
+    fn lane_merge(lanes: &mut [Entry; 32]) {
+        let mut s = 16;
+        while s > 0 {
             let before = *lanes;
-            for (l, list) in lanes.iter_mut().enumerate() {
-                merge16(list, &before[l ^ off]);
+            for (i, slot) in lanes.iter_mut().enumerate() {
+                let (me, other) = (before[i], before[i ^ s]);
+                let take = if i & s == 0 {
+                    beats(other, me)
+                } else {
+                    beats(me, other)
+                };
+                if take {
+                    *slot = other;
+                }
             }
-            off <<= 1;
+            s /= 2;
         }
     }
 
-    /// The kernel's block: thread t (of `threads`, a multiple of 32) takes list t and folds
-    /// lists t + threads, ...; each warp's butterfly; then warp 0 over the warps' lists.
-    fn block_merge(lists: &[[Entry; K]], threads: usize) -> [Entry; K] {
-        let mut own = vec![[EMPTY; K]; threads];
-        for (t, slot) in own.iter_mut().enumerate() {
-            for b in (t..lists.len()).step_by(threads) {
-                if b == t {
-                    *slot = lists[b];
-                } else {
-                    merge16(slot, &lists[b]);
+    /// Lanes 16..31 take `list` reversed, then [`lane_merge`]: lanes 0..15 are the top 16.
+    fn fold(lanes: &mut [Entry; 32], list: &[Entry; K]) {
+        for (lane, slot) in lanes.iter_mut().enumerate().skip(K) {
+            *slot = list[31 - lane];
+        }
+        lane_merge(lanes);
+    }
+
+    /// Lanes 0..15 of `lanes` as a list.
+    fn head(lanes: &[Entry; 32]) -> [Entry; K] {
+        let mut out = [EMPTY; K];
+        out.copy_from_slice(&lanes[..K]);
+        out
+    }
+
+    /// The kernel's block: warp w folds lists w, w + WARPS, ... in that order, skipping a list
+    /// whose best entry does not beat its 16th; then at strides WARPS / 2, .., 1 warp w < h
+    /// folds warp w + h's list the same way (skip included).
+    fn block_merge(lists: &[[Entry; K]]) -> [Entry; K] {
+        let mut warps = [[EMPTY; 32]; WARPS];
+        for (w, lanes) in warps.iter_mut().enumerate() {
+            for list in lists.iter().skip(w).step_by(WARPS) {
+                if beats(list[0], lanes[K - 1]) {
+                    fold(lanes, list);
                 }
             }
         }
-        let mut warp_lists = Vec::new();
-        for w in own.chunks(32) {
-            let mut lanes = [[EMPTY; K]; 32];
-            lanes.copy_from_slice(w);
-            butterfly(&mut lanes);
-            assert!(
-                lanes.iter().all(|l| *l == lanes[0]),
-                "every lane ends with the same list"
-            );
-            warp_lists.push(lanes[0]);
+        let mut h = WARPS / 2;
+        while h > 0 {
+            for w in 0..h {
+                let other = head(&warps[w + h]);
+                if beats(other[0], warps[w][K - 1]) {
+                    fold(&mut warps[w], &other);
+                }
+            }
+            h /= 2;
         }
-        let mut lanes = [[EMPTY; K]; 32];
-        lanes[..warp_lists.len()].copy_from_slice(&warp_lists);
-        butterfly(&mut lanes);
-        lanes[0]
+        head(&warps[0])
     }
 
     /// A sorted (best first) partial list of distinct ids with `len` real entries, the rest
@@ -880,7 +1090,7 @@ mod merge_model {
     }
 
     #[test]
-    fn merge16_keeps_the_top_16_of_two_lists_hand_checked() {
+    fn lane_merge_keeps_the_top_16_of_two_lists_hand_checked() {
         // a = 15, 13, .., -15 (odd), b = 16, 14, .., -14 (even): the top 16 are 16 down to 1.
         let a = sorted((0..16).map(|k| (15.0 - 2.0 * k as f32, 2 * k)).collect());
         let b = sorted(
@@ -888,30 +1098,24 @@ mod merge_model {
                 .map(|k| (16.0 - 2.0 * k as f32, 2 * k + 1))
                 .collect(),
         );
-        let mut m = a;
-        merge16(&mut m, &b);
-        let got: Vec<f32> = m.iter().map(|e| e.0).collect();
+        let mut lanes = [EMPTY; 32];
+        lanes[..K].copy_from_slice(&a);
+        fold(&mut lanes, &b);
+        let got: Vec<f32> = lanes[..K].iter().map(|e| e.0).collect();
         assert_eq!(got, (1..=16).rev().map(|v| v as f32).collect::<Vec<_>>());
         // Equal values: the lower id first, across the two lists.
-        let a = sorted(vec![(1.0, 4), (1.0, 8)]);
-        let b = sorted(vec![(1.0, 2), (1.0, 6)]);
-        let mut m = a;
-        merge16(&mut m, &b);
-        let ids: Vec<i32> = m.iter().take(5).map(|e| e.1).collect();
+        let mut lanes = [EMPTY; 32];
+        lanes[..K].copy_from_slice(&sorted(vec![(1.0, 4), (1.0, 8)]));
+        fold(&mut lanes, &sorted(vec![(1.0, 2), (1.0, 6)]));
+        let ids: Vec<i32> = lanes.iter().take(5).map(|e| e.1).collect();
         assert_eq!(ids, vec![2, 4, 6, 8, NO_ID]);
     }
 
     proptest! {
         #[test]
-        fn block_merge_is_the_top_16_of_the_union(
-            p in 1usize..=300,
-            threads_w in 1usize..=16,
-            seed in any::<u64>(),
-        ) {
+        fn block_merge_is_the_top_16_of_the_union(p in 1usize..=300, seed in any::<u64>()) {
             let lists = lists(p, seed);
-            // A block of `threads_w` warps (fewer threads than lists: each folds several).
-            let got = block_merge(&lists, threads_w * 32);
-            prop_assert_eq!(got, want(&lists));
+            prop_assert_eq!(block_merge(&lists), want(&lists));
         }
     }
 }
