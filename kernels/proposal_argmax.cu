@@ -436,9 +436,7 @@ struct PhArgmax {
     PhRows rw;
     float* ws;
     int n;
-    // (floor_ws, floor_parts: the top-16 epilogue's pre-pass floors; unused here.)
-    __device__ __forceinline__ PhArgmax(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_,
-                                        const float*, int)
+    __device__ __forceinline__ PhArgmax(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_)
         : rw(rows_), ws(ws_), n(n_) {
         wv = reinterpret_cast<float*>(epi_smem);
         wi = reinterpret_cast<int*>(wv + PH_WARPS * NC);
@@ -508,21 +506,17 @@ struct PhArgmax {
 #endif
 
 // The fused GEMM entry `{op}_gemm_nt{NT}` with epilogue EPI (both head ops use this): the
-// pipeline, then one epilogue state per consumer warpgroup. floor_ws / floor_parts: the
-// partials of a pre-pass over the head's first rows, read by the top-16 epilogue (null / 0:
-// none; see unary_topk.cu); the argmax epilogue ignores them.
+// pipeline, then one epilogue state per consumer warpgroup.
 #define PH_ENTRY(NAME, EPI, NT)                                                                 \
     extern "C" __global__ void __launch_bounds__(PH_BLOCK_THREADS, 1) NAME##_gemm_nt##NT(        \
-        PH_OPERANDS, const int* token_ids, float* ws, int n, int rows, int H, int public_vocab,  \
-        const float* floor_ws, int floor_parts) {                                                \
+        PH_OPERANDS, const int* token_ids, float* ws, int n, int rows, int H, int public_vocab) { \
         extern __shared__ __align__(16) unsigned char ph_smem[];                                \
         constexpr int S = PH_EPI_STAGES(EPI<NT>);                                                \
         PhRows rw;                                                                               \
         rw.token_ids = token_ids;                                                                \
         rw.considered = public_vocab;                                                            \
         const int wg = min(ph_wg(), PH_CONSUMERS - 1); /* the producer warp: unused */         \
-        EPI<NT> epi(ph_smem + PhCfg<NT, S>::PIPE_BYTES + wg * EPI<NT>::SMEM_BYTES, rw, ws, n,   \
-                    floor_ws, floor_parts);                                                      \
+        EPI<NT> epi(ph_smem + PhCfg<NT, S>::PIPE_BYTES + wg * EPI<NT>::SMEM_BYTES, rw, ws, n);  \
         ph_run<NT, S>(PH_RUN_OPERANDS, n, rows, H, ph_smem, epi);                                \
     }
 #define PH_ARGMAX_ENTRY(NT) PH_ENTRY(proposal_argmax, PhArgmax, NT)

@@ -8,14 +8,11 @@
 // Epilogue. Each block keeps, per column, its running top-16 (sorted, best first) in shared
 // memory; the 16th entry is the column's threshold. A column's 128 logits of a tile are held
 // by 32 threads ("holders": the lanes of its quad position in each of the 4 warps), 4 each.
-// With a pre-pass (the launcher's, for 64 columns and more on large heads: the argmax
-// epilogue over the head's first rows), every list starts full at a floor near its column's
-// top (see init), and a tile has only a few winners per column. Otherwise, before the passes
-// of a tile, a list that still has empty entries (a warpgroup's first tile) gets a floor from
-// the tile itself: the 16th largest of the 32 holders' best logits, below which no logit of
-// the column can end in its top 16; the list's entries below it become the floor, so the list
-// is full at that threshold (see fill_floor). Then passes run until no holder has an
-// unappended logit that beats its column's threshold (in the total order):
+// Before the passes of a tile, a list that still has empty entries (a warpgroup's first tile)
+// gets a floor from the tile itself: the 16th largest of the 32 holders' best logits, below
+// which no logit of the column can end in its top 16; the list's entries below it become the
+// floor, so the list is full at that threshold (see fill_floor). Then passes run until no
+// holder has an unappended logit that beats its column's threshold (in the total order):
 // - a holder first skips the column when the max of its 4 logits is below a threshold that
 //   is not -inf (one compare: the steady state), or equals it while none of its ids is below
 //   the threshold's (ties: zero or duplicate head rows); each pass first makes that compare
@@ -44,7 +41,6 @@
 #define UT_K 16
 #define UT_CAP 32  // candidate slots per column and pass (one per holder while the list is not full)
 #define UT_THREAD_MERGE_NC 64  // columns from which each column's thread merges its own list
-#define UT_FLOOR_MAX 64  // most pre-pass partials per column (the launcher's FLOOR_PARTS)
 
 // Insert (v, id) into the sorted (best first) register list if it beats the last entry: one
 // compare per entry (whether (v, id) beats entry j - 1; the compare with entry j is the
@@ -63,16 +59,14 @@ __device__ __forceinline__ void ut_push(float (&lv)[UT_K], int (&li)[UT_K], floa
     if (cur) { lv[0] = v; li[0] = id; }
 }
 
-// The 16th largest of N values (N a power of two >= 16; bitonic sort, descending; -inf sorts
-// last; no NaN).
-template <int N>
-__device__ __forceinline__ float ut_sixteenth(float (&h)[N]) {
+// The 16th largest of 32 values (bitonic sort, descending; -inf sorts last; no NaN).
+__device__ __forceinline__ float ut_sixteenth(float (&h)[32]) {
 #pragma unroll
-    for (int k = 2; k <= N; k <<= 1)
+    for (int k = 2; k <= 32; k <<= 1)
 #pragma unroll
         for (int j = k >> 1; j > 0; j >>= 1)
 #pragma unroll
-            for (int i = 0; i < N; ++i) {
+            for (int i = 0; i < 32; ++i) {
                 const int l = i ^ j;
                 if (l <= i) continue;
                 const float a = h[i], b = h[l];
@@ -97,49 +91,18 @@ struct PhTopk {
     PhRows rw;
     float* ws;
     int n;
-    const float* floor_ws;  // the pre-pass's partials (see init), or null
-    int floor_parts;        // partials per column there (0: no pre-pass)
-    bool full = false;      // every list of this warpgroup is full (lists never empty again)
-    __device__ __forceinline__ PhTopk(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_,
-                                      const float* floor_ws_, int floor_parts_)
-        : rw(rows_), ws(ws_), n(n_), floor_ws(floor_ws_), floor_parts(floor_parts_) {
+    bool full = false;  // every list of this warpgroup is full (lists never empty again)
+    __device__ __forceinline__ PhTopk(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_)
+        : rw(rows_), ws(ws_), n(n_) {
         lv = reinterpret_cast<float*>(epi_smem);
         li = reinterpret_cast<int*>(lv + NC * UT_K);
         cnt = li + NC * UT_K;
         cv = reinterpret_cast<float*>(cnt + NC);
         ci = reinterpret_cast<int*>(cv + NC * UT_CAP);
     }
-    // Empty lists, or (floor_parts > 0) lists full at the column's pre-pass floor. The
-    // pre-pass (the argmax epilogue over the head's first rows, its row ranges disjoint) left
-    // floor_parts (value, id) partials per column, each the best candidate of its range (or
-    // (-inf, no id) for a range without one); with f the 16th largest of their values (-inf
-    // for fewer than 16 candidates), 16 distinct candidates score at least f, so nothing
-    // below f can be in the column's top 16, and every entry becomes (f, PH_NO_ID), which
-    // ranks after every candidate scoring f (as fill_floor's). Then a tile's winners are the
-    // few logits at or above a floor near the column's top (no list fills one candidate at a
-    // time), and a list can end with floor entries: they rank after every candidate (all of
-    // which score at least f), and the at least 16 candidates of the pre-pass ranges, which
-    // the GEMM covers too, keep every one of them out of the merged top 16. Called before
-    // the first tile, while the first head tiles are loading (the partials' reads overlap
-    // them); thread c initializes column c (NC <= PH_THREADS).
     __device__ __forceinline__ void init() {
-        const int c = ph_tid();
-        if (c >= NC) return;
-        const long long col = (long long)blockIdx.y * NC + c;
-        float f = PH_NEG_INF;
-        if (floor_parts > 0 && col < n) {
-            float h[UT_FLOOR_MAX];
-            const float2* src = reinterpret_cast<const float2*>(floor_ws) + col * floor_parts;
-#pragma unroll
-            for (int b = 0; b < UT_FLOOR_MAX; ++b) {
-                const float2 x = b < floor_parts ? src[b] : make_float2(PH_NEG_INF, __int_as_float(PH_NO_ID));
-                h[b] = __float_as_int(x.y) == PH_NO_ID ? PH_NEG_INF : x.x;
-            }
-            f = ut_sixteenth(h);
-        }
-#pragma unroll
-        for (int j = 0; j < UT_K; ++j) { lv[j * NC + c] = f; li[j * NC + c] = PH_NO_ID; }
-        cnt[c] = 0;
+        for (int e = ph_tid(); e < NC * UT_K; e += PH_THREADS) { lv[e] = PH_NEG_INF; li[e] = PH_NO_ID; }
+        for (int c = ph_tid(); c < NC; c += PH_THREADS) cnt[c] = 0;
     }
 
     // Thread c: push column c's buffered candidates into its list (their order does not
@@ -390,9 +353,8 @@ PH_TOPK_ENTRY(16)
 // way, pairwise through shared memory (log2(UT_MERGE_WARPS) levels; warp 0 writes the result). Every step keeps the exact top 16 of the entries seen (the
 // order is total and the ids are distinct), so the result is the column's top 16, best
 // first; empty entries (-inf, no id) fill a column with fewer candidates. The partial lists
-// never hold NaN (the epilogue ranks NaN as -inf and never stores it); they may hold floor
-// entries (f, PH_NO_ID) of a pre-pass floor (see PhTopk::init), which rank after every
-// candidate and never reach the result (at least 16 candidates score f or more).
+// never hold NaN (the epilogue ranks NaN as -inf and never stores it) nor a floor entry
+// (f, PH_NO_ID) (see fill_floor).
 #define UT_MERGE_WARPS 16
 #define UT_MERGE_THREADS (32 * UT_MERGE_WARPS)
 #define UT_MERGE_AHEAD 16

@@ -13,7 +13,8 @@ if ! grep -qE "^ *FAIL" $R/confq.log; then
   step head timeout 60 ./v/dflash-bench --only head --out $R/head > $R/head.log 2>&1
   step ncuh timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum,smsp__inst_executed.sum --kernel-name regex:"unary_topk|proposal_argmax" --launch-count 16 --csv ./v/dflash-bench --only head --shape 8,15,4096 > $R/ncu-head.csv 2>> $R/ncu.log
   step bench timeout 200 ./v/dflash-bench --commit ${COMMIT} --out $R/perf > $R/bench.log 2>&1
-  # The heavy 120- and 64-column cases (the pre-pass path on the official head and shortlist);
+  # The heavy 120- and 64-column cases (the widest column tiles on the official head and
+  # shortlist);
   # their rows are in the log as they pass (the runner's closing checks may outlast the limit).
   step conf timeout ${HEAVY_S:-45} ./v/dflash-conformance --only unary_topk/full_official_h2048_n120,unary_topk/indexed_official_shortlist_h2048_n64 --out $R/conf > $R/conf.log 2>&1
 fi

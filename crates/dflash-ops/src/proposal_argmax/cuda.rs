@@ -7,10 +7,7 @@ use std::sync::OnceLock;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::head::{
-    HeadKernels,
-    cuda::{GemmPlace, launch_gemm},
-};
+use super::head::{HeadKernels, cuda::launch_gemm};
 use super::{OP, Params};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::{Buffer, Result};
@@ -57,16 +54,7 @@ pub(super) fn run(
     workspace: &mut Buffer<f32>,
     p: &Params,
 ) -> Result<()> {
-    let (blocks, _) = launch_gemm(
-        c,
-        &kernels(),
-        hidden,
-        head_w,
-        token_ids,
-        workspace,
-        p,
-        GemmPlace::default(),
-    )?;
+    let blocks = launch_gemm(c, &kernels(), hidden, head_w, token_ids, workspace, p)?;
     let f = c.function(OP, SOURCE, "proposal_argmax_merge")?;
     let cfg = LaunchConfig {
         grid_dim: (p.n as u32, 1, 1),

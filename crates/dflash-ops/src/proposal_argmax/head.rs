@@ -362,30 +362,12 @@ pub(crate) mod cuda {
         Ok(TensorMap(unsafe { map.assume_init() }))
     }
 
-    /// Where a launch of the fused GEMM writes and what it reads besides its operands (f32
-    /// element offsets into the op's workspace).
-    #[derive(Clone, Copy, Debug, Default)]
-    pub(crate) struct GemmPlace {
-        /// Offset of the partials the kernel writes (`(col * P + b) * keep * 2`, `P` the
-        /// returned partial count).
-        pub(crate) partials: usize,
-        /// A pre-pass's partials for the top-16 epilogue to read: (offset, partials per
-        /// column); `None`: no pre-pass (the kernels' `floor_parts` = 0).
-        pub(crate) floor: Option<(usize, usize)>,
-        /// Blocks of the grid's x dimension instead of the resident count (a pre-pass: one
-        /// 16-row-aligned range each).
-        pub(crate) blocks: Option<usize>,
-    }
-
     /// Launch the fused GEMM of `k` (the wgmma driver on an sm_90a backend, the portable one
-    /// otherwise) over the head's first `p.rows` rows; returns the number of partials written
-    /// per column (the merge's `P`: blocks times consumer warpgroups) and the column tiling
-    /// `nt`.
+    /// otherwise); returns the number of partials written per column (the merge's `P`:
+    /// blocks times consumer warpgroups).
     ///
     /// Grid: x = min(ceil(rows / 16), resident blocks, 1024 / consumers) row ranges of equal
-    /// length (a multiple of 16 rows), or `place.blocks`; y = ceil(n / (8 * nt)) column
-    /// chunks.
-    #[allow(clippy::too_many_arguments)]
+    /// length (a multiple of 16 rows), y = ceil(n / (8 * nt)) column chunks.
     pub(crate) fn launch_gemm(
         c: &CudaBackend,
         k: &HeadKernels,
@@ -394,8 +376,7 @@ pub(crate) mod cuda {
         token_ids: Option<&Buffer<i32>>,
         workspace: &mut Buffer<f32>,
         p: &Params,
-        place: GemmPlace,
-    ) -> Result<(usize, usize)> {
+    ) -> Result<usize> {
         let op = k.op;
         let limit = c.limits().smem_per_block_optin;
         let (driver, nt) = plan_tiles(p.n, c.uses_sm90a(), limit, &k.epilogue)
@@ -426,7 +407,7 @@ pub(crate) mod cuda {
         let blocks = p
             .rows
             .div_ceil(16)
-            .min(place.blocks.unwrap_or(resident))
+            .min(resident)
             .clamp(1, MAX_PARTIAL_BLOCKS / per_block);
         let chunks = p.n.div_ceil(8 * nt);
         if chunks > 65_535 {
@@ -450,8 +431,6 @@ pub(crate) mod cuda {
         );
         let hidden_d = hidden.device(op, "hidden")?;
         let head_d = head.device(op, "head")?;
-        // The head's first p.rows rows (a pre-pass covers fewer than the tensor holds).
-        let head_d = head_d.slice(..p.rows * p.hidden);
         let maps = match driver {
             Driver::Portable => None,
             Driver::Wgmma => {
@@ -463,31 +442,11 @@ pub(crate) mod cuda {
                 ))
             }
         };
-        let ws_len = workspace.len();
-        if place.partials > ws_len {
-            return Err(OpsError::Length {
-                op,
-                tensor: "workspace",
-                expected: place.partials,
-                shape: "room for the partials".into(),
-                found: ws_len,
-            });
-        }
-        let ws = workspace.device_mut(op, "workspace")?;
-        let floor_ptr: u64 = match place.floor {
-            Some((off, _)) => {
-                let (base, _g) = ws.device_ptr(c.stream());
-                base + (off * std::mem::size_of::<f32>()) as u64
-            }
-            None => 0,
-        };
-        let floor_parts = place.floor.map_or(0, |(_, parts)| parts) as i32;
-        let mut out = ws.slice_mut(place.partials..);
         let mut b = c.stream().launch_builder(&kernel.func);
         match &maps {
             None => {
                 b.arg(hidden_d);
-                b.arg(&head_d);
+                b.arg(head_d);
             }
             Some((mx, mw)) => {
                 b.arg(mx);
@@ -500,25 +459,20 @@ pub(crate) mod cuda {
             Some(t) => b.arg(t.device(op, "token_ids")?),
             None => b.arg(&null),
         };
-        b.arg(&mut out);
+        b.arg(workspace.device_mut(op, "workspace")?);
         b.arg(&n);
         b.arg(&rows);
         b.arg(&h);
         b.arg(&public);
-        b.arg(&floor_ptr);
-        b.arg(&floor_parts);
         // SAFETY: argument types and order match the `{op}_gemm_nt{NT}` entry points of the
         // module launched (portable: the hidden and head pointers; sm_90a: their TMA maps,
         // encoded above over the same allocations, which outlive the launch's stream order);
         // a null pointer is a valid `const int*` for the full head, never dereferenced there;
-        // hidden has n*H, head at least rows*H elements, token_ids at least rows (checked by
-        // the op's `run`; a pre-pass covers a prefix); the workspace from `place.partials` on
-        // holds n * MAX_PARTIAL_BLOCKS * keep pairs and blocks * consumers <=
-        // MAX_PARTIAL_BLOCKS, and a floor region holds n * floor parts pairs (the caller's
-        // layout, inside the checked workspace length; the floor is only read, and written
-        // by an earlier launch of the stream, never by this one).
+        // hidden has n*H, head rows*H elements, token_ids rows (checked by the op's `run`);
+        // the workspace holds n * MAX_PARTIAL_BLOCKS * keep pairs and blocks * consumers <=
+        // MAX_PARTIAL_BLOCKS.
         unsafe { b.launch(cfg) }.map_err(cuda_err(format!("launching {name}")))?;
-        Ok((blocks * per_block, nt))
+        Ok(blocks * per_block)
     }
 }
 

@@ -7,13 +7,10 @@ use std::sync::OnceLock;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{FLOOR_BLOCKS, FLOOR_MIN_COLUMNS, FLOOR_MIN_ROWS, FLOOR_ROWS, OP, Params};
+use super::{OP, Params};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::proposal_argmax::cuda::SOURCE as SHARED;
-use crate::proposal_argmax::head::{
-    self, HeadKernels,
-    cuda::{GemmPlace, launch_gemm},
-};
+use crate::proposal_argmax::head::{HeadKernels, cuda::launch_gemm};
 use crate::{Buffer, Result};
 
 /// Threads of a merge block (`UT_MERGE_THREADS`, its launch bound).
@@ -56,25 +53,6 @@ fn kernels() -> HeadKernels {
     }
 }
 
-/// The pre-pass: the argmax epilogue's entry points of the same modules (the shared driver
-/// is compiled with both epilogues).
-fn floor_kernels() -> HeadKernels {
-    HeadKernels {
-        op: OP,
-        source: source(),
-        sm90a_module: SM90A_MODULE,
-        sm90a_source: sm90a_source(),
-        names: [
-            "proposal_argmax_gemm_nt1",
-            "proposal_argmax_gemm_nt2",
-            "proposal_argmax_gemm_nt4",
-            "proposal_argmax_gemm_nt8",
-            "proposal_argmax_gemm_nt16",
-        ],
-        epilogue: crate::proposal_argmax::EPILOGUE,
-    }
-}
-
 pub(super) fn run(
     c: &CudaBackend,
     hidden: &Buffer<bf16>,
@@ -85,49 +63,7 @@ pub(super) fn run(
     workspace: &mut Buffer<f32>,
     p: &Params,
 ) -> Result<()> {
-    // The pre-pass (see the module's CUDA notes): the best candidate of each of
-    // FLOOR_BLOCKS ranges of 128 rows at the head's start, per column, into the workspace
-    // past the GEMM's partials; the GEMM's epilogue starts every list at the floor they give.
-    let floor = if p.n >= FLOOR_MIN_COLUMNS && p.rows >= FLOOR_MIN_ROWS {
-        let offset = head::workspace_len(p, super::TOP_K);
-        let pre = Params {
-            rows: FLOOR_ROWS,
-            ..*p
-        };
-        let place = GemmPlace {
-            partials: offset,
-            floor: None,
-            blocks: Some(FLOOR_BLOCKS),
-        };
-        let (parts, _) = launch_gemm(
-            c,
-            &floor_kernels(),
-            hidden,
-            head_w,
-            token_ids,
-            workspace,
-            &pre,
-            place,
-        )?;
-        Some((offset, parts))
-    } else {
-        None
-    };
-    let place = GemmPlace {
-        partials: 0,
-        floor,
-        blocks: None,
-    };
-    let (blocks, _) = launch_gemm(
-        c,
-        &kernels(),
-        hidden,
-        head_w,
-        token_ids,
-        workspace,
-        p,
-        place,
-    )?;
+    let blocks = launch_gemm(c, &kernels(), hidden, head_w, token_ids, workspace, p)?;
     let f = c.function(OP, source(), "unary_topk_merge")?;
     let cfg = LaunchConfig {
         grid_dim: (p.n as u32, 1, 1),

@@ -32,17 +32,7 @@
 //! CUDA (kernels/unary_topk.cu, compiled after kernels/proposal_argmax.cu whose fused head
 //! GEMM drivers, portable and sm_90a, it shares). Each GEMM warpgroup keeps a running top-16
 //! per column in shared memory, whose 16th entry is the column's threshold. A column's 128
-//! logits of a tile are held by 32 threads, 4 each. For 33 columns and more on heads of at
-//! least 16384 rows, a pre-pass runs first: the argmax epilogue of the same GEMM over the
-//! head's first 4096 rows in 32 ranges of 128 (their best candidate per column, into the
-//! workspace past the partials); each GEMM warpgroup starts its lists full at f, the 16th
-//! largest of those bests (16 distinct candidates score at least f, so nothing below it can
-//! be in the top 16), as entries (f, no id) that rank after every candidate scoring f. A
-//! tile then has only the few winners at or above a floor near the column's top, and no list
-//! is filled one candidate at a time (filling 264 lists of 128 columns from their first
-//! tiles cost about 60 us of a 248-us head read). Lists can end with floor entries; the at
-//! least 16 candidates behind f, which the GEMM also reads, keep them out of the result.
-//! Without a pre-pass (or where its f is -inf), a list that still has empty entries (a
+//! logits of a tile are held by 32 threads, 4 each. A list that still has empty entries (a
 //! warpgroup's first tile) first gets a floor from the tile: f, the 16th largest of the 32
 //! holders' best candidate logits; 16 distinct candidates score at least f, so nothing below
 //! f can end in the top 16, and the list's entries that do not beat (f, no id) become (f, no
@@ -109,32 +99,10 @@ pub(crate) const EPILOGUE: crate::proposal_argmax::head::Epilogue =
         wgmma_stages: 4,
     };
 
-/// Rows of the CUDA pre-pass: `FLOOR_BLOCKS` ranges of 128 rows at the head's start.
-#[cfg(feature = "cuda")]
-const FLOOR_ROWS: usize = FLOOR_BLOCKS * 128;
-
-/// Blocks of the CUDA pre-pass (one 128-row range each).
-#[cfg(feature = "cuda")]
-const FLOOR_BLOCKS: usize = 32;
-
-/// Most partials per column the pre-pass writes (`UT_FLOOR_MAX`: `FLOOR_BLOCKS` blocks of
-/// at most two consumer warpgroups).
-const FLOOR_PARTS: usize = 64;
-
-/// The pre-pass runs for this many columns and more (a column tile of 64, where the lists'
-/// first fills no longer hide behind the head read)...
-#[cfg(feature = "cuda")]
-const FLOOR_MIN_COLUMNS: usize = 33;
-
-/// ... on heads of this many rows and more (the pre-pass reads at most a quarter more).
-#[cfg(feature = "cuda")]
-const FLOOR_MIN_ROWS: usize = 4 * FLOOR_ROWS;
-
-/// f32 elements the `workspace` of [`run`] must have at least: `n * (1024 * 32 + 64 * 2)` (a
-/// top-16 list of (value, id) partials per column for each of at most 1024 GEMM blocks, then
-/// the pre-pass's (value, id) per column for each of at most 64 ranges).
+/// f32 elements the `workspace` of [`run`] must have at least: `n * 1024 * 32` (a top-16
+/// list of (value, id) partials per column for each of at most 1024 GEMM blocks).
 pub fn workspace_len(p: &Params) -> usize {
-    head::workspace_len(p, TOP_K).saturating_add(p.n.saturating_mul(FLOOR_PARTS * 2))
+    head::workspace_len(p, TOP_K)
 }
 
 /// Select the top-16 candidates of each of `n` columns (see the module contract).
@@ -162,16 +130,7 @@ pub fn run(
         format!("[n={n}, 16]")
     })?;
     check_len(OP, "ids", ids.len(), out_len, || format!("[n={n}, 16]"))?;
-    let need = workspace_len(params);
-    if workspace.len() < need {
-        return Err(OpsError::Length {
-            op: OP,
-            tensor: "workspace",
-            expected: need,
-            shape: format!("at least n * (1024 * 32 + {FLOOR_PARTS} * 2) for n={n}"),
-            found: workspace.len(),
-        });
-    }
+    head::check_workspace(OP, params, TOP_K, workspace)?;
     if n == 0 {
         return Ok(());
     }
@@ -347,9 +306,9 @@ fn run_case(
 /// Conformance cases: the official Text head (248320 rows, 248077 public) with the 27B width
 /// at 7 and 15 columns, 120 columns (the widest column tile) at the 35B width, the official
 /// 131072-row shortlist with a shuffled map, coarse fills with many ties among the 16, rising
-/// and all-equal logits (60000 rows; rising also with 1500 and 3000 public rows, where the
-/// CUDA pre-pass finds too few candidates for a floor, or a floor from a few), and small odd
-/// shapes (100 columns for the wgmma driver).
+/// and all-equal logits (60000 rows; rising also with only 1500 or 3000 public rows, so most
+/// GEMM blocks have no candidate at all), and small odd shapes (100 columns for the wgmma
+/// driver).
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     use ProposalHead::{Full, Indexed};
@@ -386,10 +345,9 @@ pub(crate) fn cases() -> Vec<Case> {
             ));
         }
     }
-    // The CUDA pre-pass (33 columns and more, 16384 rows and more) reads the first 4096 rows
-    // in 32 ranges of 128: with 1500 public rows only 12 ranges hold a candidate (no floor:
-    // the lists fill from their tiles), with 3000 rows 24 do (a floor from the public rows'
-    // start, far below the rising logits' top).
+    // Rising logits with only the first 1500 or 3000 of 60000 rows public, at 120 columns:
+    // most blocks' rows hold no candidate (their lists stay empty, each tile's floor -inf),
+    // and the negated columns' top 16 are in the first block's first tile.
     for public in [1500, 3000] {
         cases.push(Case::new(
             OP,

@@ -467,8 +467,7 @@ mod epilogue_model {
         mut order: impl FnMut(usize) -> Vec<usize>,
     ) -> usize {
         let mut done: Vec<[bool; 4]> = holders.iter().map(|h| h.map(|e| e.1 == NO_ID)).collect();
-        // A floor taken from this tile is always pushed out by the tile's candidates (a list
-        // started at a pre-pass floor may keep floor entries).
+        // A floor taken from this tile is always pushed out by the tile's candidates.
         let filled = floor(list, holders).is_some_and(|f| f != f32::NEG_INFINITY);
         for pass in 0.. {
             // While the list is not full a holder appends one element per pass (at most 4
@@ -613,130 +612,6 @@ mod epilogue_model {
                     all.extend_from_slice(&elems);
                 }
                 prop_assert_eq!(list.to_vec(), reference(&all), "merge {:?}", how);
-            }
-        }
-    }
-
-    /// The CUDA pre-pass and the lists it starts (`PhTopk::init`): the best candidate (NaN as
-    /// -inf) of each of `ranges` equal ranges at the start of `rows`, f = the 16th largest of
-    /// their values (non-candidates -inf), every entry (f, NO_ID) when f > -inf.
-    fn prepass_list(rows: &[Entry], ranges: usize, per: usize) -> [Entry; K] {
-        let mut bests: Vec<f32> = rows[..ranges * per]
-            .chunks(per)
-            .map(|r| {
-                r.iter()
-                    .filter(|e| e.1 != NO_ID)
-                    .map(|&(v, id)| (if v.is_nan() { f32::NEG_INFINITY } else { v }, id))
-                    .fold(EMPTY, |b, e| if beats(e, b) { e } else { b })
-            })
-            .map(|b| if b.1 == NO_ID { f32::NEG_INFINITY } else { b.0 })
-            .collect();
-        bests.sort_by(|a, b| b.total_cmp(a));
-        let f = bests.get(K - 1).copied().unwrap_or(f32::NEG_INFINITY);
-        if f == f32::NEG_INFINITY {
-            [EMPTY; K]
-        } else {
-            [(f, NO_ID); K]
-        }
-    }
-
-    #[test]
-    fn the_prepass_floor_is_the_16th_best_range_and_keeps_every_one_of_the_top16() {
-        // 256 rows in 32 ranges of 8: range r's best is row 8r + 3 at 100 - r, every other
-        // row scores 0; two warpgroups of one tile. The 16 range bests are the top 16, the
-        // floor is the 16th of them (85): one place higher would lose row 123 (85.0).
-        let rows: Vec<Entry> = (0..256i32)
-            .map(|i| {
-                let v = if i % 8 == 3 {
-                    100.0 - (i / 8) as f32
-                } else {
-                    0.0
-                };
-                (v, i)
-            })
-            .collect();
-        let start = prepass_list(&rows, 32, 8);
-        assert_eq!(start, [(85.0, NO_ID); K]);
-        for how in MERGES {
-            let mut union = Vec::new();
-            for w in 0..2 {
-                let mut list = start;
-                let order: Vec<usize> = (0..HOLDERS).collect();
-                tile_into(&mut list, how, &order, |_, r| rows[w * 128 + r as usize]);
-                union.extend_from_slice(&list);
-            }
-            union.retain(|e| e.1 != NO_ID);
-            union.sort_by(|a, b| b.0.total_cmp(&a.0));
-            let ids: Vec<i32> = union.iter().map(|e| e.1).collect();
-            assert_eq!(
-                ids,
-                (0..16).map(|r| 8 * r + 3).collect::<Vec<i32>>(),
-                "merge {how:?}"
-            );
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn lists_started_at_the_prepass_floor_merge_to_the_exact_top16(
-            wgs in 1usize..4,
-            tiles in 1usize..3,
-            levels in prop::collection::vec(0u16..400, 128 * 6),
-            coarse in any::<bool>(),
-            holes in prop::collection::vec(0u8..12, 128 * 6),
-            per in 1usize..8,
-            cover in any::<bool>(),
-            seed in any::<u64>(),
-        ) {
-            // Rows split among `wgs` warpgroups of `tiles` tiles each; the pre-pass reads 32
-            // ranges of `per` rows at the start (`cover`: all the rows, so its 16 bests can be
-            // the top 16 themselves and a floor one place too high loses the 16th); the GEMM
-            // reads them too. The warpgroups' lists, merged by a sort in the total order (the
-            // merge's result, floor entries included), must be the exact top 16: no floor
-            // entry may survive. Values from a few levels (`coarse`: ties everywhere) or many,
-            // some NaN.
-            let n = wgs * tiles * 128;
-            let per = if cover { n / 32 } else { per };
-            prop_assume!(32 * per <= n);
-            let mut rng = seed | 1;
-            let mut next = move || {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                rng
-            };
-            let rows: Vec<Entry> = (0..n)
-                .map(|i| {
-                    let l = if coarse { levels[i] % 7 } else { levels[i] };
-                    let v = if l == 6 { f32::NAN } else { f32::from(l) * 0.5 };
-                    (v, if holes[i] == 0 { NO_ID } else { i as i32 })
-                })
-                .collect();
-            for how in MERGES {
-                let start = prepass_list(&rows, 32, per);
-                let mut union = Vec::new();
-                for w in 0..wgs {
-                    let mut list = start;
-                    for t in 0..tiles {
-                        let base = (w * tiles + t) * 128;
-                        let p = shuffled(128, &mut next);
-                        let holders: Vec<[Entry; 4]> = (0..HOLDERS)
-                            .map(|h| std::array::from_fn(|k| rows[base + p[4 * h + k]]))
-                            .collect();
-                        tile(&mut list, &holders, how, |_| shuffled(HOLDERS, &mut next));
-                    }
-                    union.extend_from_slice(&list);
-                }
-                union.sort_by(|a, b| {
-                    if beats(*a, *b) {
-                        std::cmp::Ordering::Less
-                    } else if beats(*b, *a) {
-                        std::cmp::Ordering::Greater
-                    } else {
-                        std::cmp::Ordering::Equal
-                    }
-                });
-                prop_assert_eq!(union[..K].to_vec(), reference(&rows), "merge {:?}", how);
             }
         }
     }
