@@ -15,9 +15,7 @@
 // holder has an unappended logit that beats its column's threshold (in the total order):
 // - a holder first skips the column when the max of its 4 logits is below a threshold that
 //   is not -inf (one compare: the steady state), or equals it while none of its ids is below
-//   the threshold's (ties: zero or duplicate head rows); each pass first makes that compare
-//   for all of a thread's columns at once (the thresholds loaded together), and a warp skips
-//   a column slot where none of its lanes can append with one warp-uniform branch;
+//   the threshold's (ties: zero or duplicate head rows);
 // - while the column's list still has empty entries (threshold -inf: a first tile with fewer
 //   than 16 holders of candidates, whose floor is -inf), it appends only its best
 //   not-yet-appended logit that beats the threshold and asks for another pass if a second
@@ -222,35 +220,11 @@ struct PhTopk {
 #pragma unroll
         for (int w = 0; w < (NT + 3) / 4; ++w) done[w] = none * 0x11111111u;
         for (;;) {
-            // First the warp's slots (column nt * 8 + 2 * (lane & 3) + e of each lane) where
-            // some lane may have a winner: every threshold loaded at once, one compare each
-            // (a tie or an empty list counts as maybe), then one OR over the warp. Slots
-            // outside it are skipped with one warp-uniform branch, not a chain of a threshold
-            // load, a compare and a divergent branch each.
-            unsigned maybe = 0u;  // bit 2 * nt + e
-            {
-                float tvs[2 * NT];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) tvs[2 * nt + e] = lv[(UT_K - 1) * NC + nt * 8 + 2 * (lane & 3) + e];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float mx = fmaxf(fmaxf(acc[0][nt][e], acc[0][nt][2 + e]),
-                                               fmaxf(acc[1][nt][e], acc[1][nt][2 + e]));
-                        const float tv = tvs[2 * nt + e];
-                        if (tv == PH_NEG_INF || mx >= tv) maybe |= 1u << (2 * nt + e);
-                    }
-            }
-            maybe = __reduce_or_sync(0xffffffffu, maybe);
             int more = 0;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    if (!((maybe >> (2 * nt + e)) & 1u)) continue;  // warp-uniform
                     const int c = nt * 8 + 2 * (lane & 3) + e;
                     const int sh = 4 * (2 * (nt & 3) + e);
                     const float tv = lv[(UT_K - 1) * NC + c];

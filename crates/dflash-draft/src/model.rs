@@ -580,11 +580,7 @@ impl DraftModel {
                 hidden,
                 eps,
             },
-            &rms_norm::RowMap {
-                group: k,
-                stride: w,
-                offset: 1,
-            },
+            &rms_norm::RowMap::mask_columns(k),
         )?;
         let cols = rows * k;
         let head_p = proposal_argmax::Params {

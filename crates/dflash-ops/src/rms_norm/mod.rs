@@ -79,6 +79,16 @@ impl RowMap {
         offset: 0,
     };
 
+    /// The draft block's mask columns: of each block of `k + 1` rows (the anchor, then `k`
+    /// mask columns), the last `k`.
+    pub const fn mask_columns(k: usize) -> RowMap {
+        RowMap {
+            group: k,
+            stride: k + 1,
+            offset: 1,
+        }
+    }
+
     /// The x row of output row `i` (a checked map: group >= 1).
     fn source(&self, i: usize) -> usize {
         (i / self.group) * self.stride + self.offset + i % self.group
@@ -308,6 +318,25 @@ fn scaled_rows(g: &mut SplitMix, rows: usize, hidden: usize) -> Vec<f64> {
         .collect()
 }
 
+/// [`scaled_rows`] rounded to BF16.
+#[cfg(any(test, feature = "conformance"))]
+fn scaled_bf16_rows(g: &mut SplitMix, rows: usize, hidden: usize) -> Vec<bf16> {
+    scaled_rows(g, rows, hidden)
+        .into_iter()
+        .map(bf16::from_f64)
+        .collect()
+}
+
+/// The cases' parameters (eps 1e-6).
+#[cfg(any(test, feature = "conformance"))]
+fn case_params(rows: usize, hidden: usize) -> RmsNormParams {
+    RmsNormParams {
+        rows,
+        hidden,
+        eps: 1e-6,
+    }
+}
+
 /// Row r's scale in the cases: 10^(r % 7 - 3).
 #[cfg(any(test, feature = "conformance"))]
 fn row_scale(r: usize) -> f64 {
@@ -335,11 +364,7 @@ fn case(
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let mut g = SplitMix::new(seed);
-        let p = RmsNormParams {
-            rows,
-            hidden,
-            eps: 1e-6,
-        };
+        let p = case_params(rows, hidden);
         // Weights of both signs, rows at very different scales.
         let w = g.bf16_vec(hidden, -2.0, 2.0);
         let mut inputs = InputCheck::default();
@@ -355,10 +380,7 @@ fn case(
             run_f32(be, &xb, &wb, &mut y, &p)?;
             inputs.verify(be, "x", &xb, &mut modified)?;
         } else {
-            let x: Vec<bf16> = scaled_rows(&mut g, rows, hidden)
-                .into_iter()
-                .map(bf16::from_f64)
-                .collect();
+            let x = scaled_bf16_rows(&mut g, rows, hidden);
             let xb = inputs.upload(be, "x", &x)?;
             run(be, &xb, &wb, &mut y, &p)?;
             inputs.verify(be, "x", &xb, &mut modified)?;
@@ -381,17 +403,10 @@ fn residual_case(
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let mut g = SplitMix::new(seed);
-        let p = RmsNormParams {
-            rows,
-            hidden,
-            eps: 1e-6,
-        };
+        let p = case_params(rows, hidden);
         let n = rows * hidden;
         let w = g.bf16_vec(hidden, -2.0, 2.0);
-        let x0: Vec<bf16> = scaled_rows(&mut g, rows, hidden)
-            .into_iter()
-            .map(bf16::from_f64)
-            .collect();
+        let x0 = scaled_bf16_rows(&mut g, rows, hidden);
         let delta: Vec<bf16> = (0..n)
             .map(|i| match i % 3 {
                 0 => -x0[i],
@@ -429,21 +444,9 @@ fn rows_case(
 ) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
     move |be: &Backend| {
         let mut g = SplitMix::new(seed);
-        let map = RowMap {
-            group: k,
-            stride: k + 1,
-            offset: 1,
-        };
-        let p = RmsNormParams {
-            rows: reqs * k,
-            hidden,
-            eps: 1e-6,
-        };
-        let x_rows = reqs * (k + 1);
-        let x: Vec<bf16> = scaled_rows(&mut g, x_rows, hidden)
-            .into_iter()
-            .map(bf16::from_f64)
-            .collect();
+        let map = RowMap::mask_columns(k);
+        let p = case_params(reqs * k, hidden);
+        let x = scaled_bf16_rows(&mut g, reqs * (k + 1), hidden);
         let w = g.bf16_vec(hidden, -2.0, 2.0);
         let mut inputs = InputCheck::default();
         let xb = inputs.upload(be, "x", &x)?;

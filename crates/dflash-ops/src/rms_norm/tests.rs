@@ -186,11 +186,7 @@ fn row_map_form_normalizes_the_selected_rows_as_the_plain_form_does() {
     let (reqs, k, h) = (3, 4, 19);
     let x = g.bf16_vec(reqs * (k + 1) * h, -3.0, 3.0);
     let w = g.bf16_vec(h, -2.0, 2.0);
-    let map = RowMap {
-        group: k,
-        stride: k + 1,
-        offset: 1,
-    };
+    let map = RowMap::mask_columns(k);
     let p = RmsNormParams {
         rows: reqs * k,
         hidden: h,
