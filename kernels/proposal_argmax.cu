@@ -59,6 +59,7 @@ __device__ __forceinline__ int ph_sync_or(int v) {
 #define PH_SYNC_OR(x) ph_sync_or(x)
 #endif
 #define PH_TV 128
+#define PH_MAX_PARTIALS 1024  // partial lists per column the workspace holds (MAX_PARTIAL_BLOCKS)
 #define PH_NEG_INF __int_as_float(0xff800000)
 #define PH_NO_ID 0x7fffffff
 

@@ -8,6 +8,10 @@
 // Epilogue. Each block keeps, per column, its running top-16 (sorted, best first) in shared
 // memory; the 16th entry is the column's threshold. A column's 128 logits of a tile are held
 // by 32 threads ("holders": the lanes of its quad position in each of the 4 warps), 4 each.
+// The padding columns of the last column chunk (past n) take no part: their logits are all
+// zero and would tie. Each tile first raises the lists to their columns' shared floors, the
+// best 16th value any warpgroup's list has reached (see ut_key), so that a warpgroup's
+// threshold follows the best rows seen by all of them, not only its own.
 // Before the passes of a tile, a list that still has empty entries (a warpgroup's first tile)
 // gets a floor from the tile itself: the 16th largest of the 32 holders' best logits, below
 // which no logit of the column can end in its top 16; the list's entries below it become the
@@ -31,7 +35,8 @@
 //   element's new position is the number of elements of the union that beat it: per
 //   candidate one broadcast, compares and a ballot).
 // An element that failed a threshold can never enter later (thresholds only rise), so the
-// final lists are exact. Shared arrays are column-minor ([slot][NC]).
+// final lists are exact (as candidates and floor entries (f, PH_NO_ID): see ut_key). Shared
+// arrays are column-minor ([slot][NC]).
 // Merge: one block per column takes the top-16 of the P * 16 partial candidates (the lists
 // held one entry a lane, combined by bitonic merges across the lanes of a warp: see
 // unary_topk_merge).
@@ -75,6 +80,29 @@ __device__ __forceinline__ float ut_sixteenth(float (&h)[32]) {
     return h[UT_K - 1];
 }
 
+// A column's shared floor. Every warpgroup publishes, per column, the value of its list's
+// 16th entry (atomicMax of ut_key) once the list is full; a value v published there is backed
+// by 16 distinct candidates scoring at least v (a list's entries are candidates, or floor
+// entries (f, PH_NO_ID) whose f is itself so backed: see fill_floor), so no candidate below
+// the largest published value can be in the column's top 16. Each tile, a warpgroup first
+// raises its lists to the floor g it last loaded, the way fill_floor does: every entry that
+// does not beat (g, PH_NO_ID) becomes (g, PH_NO_ID). Its threshold is then at least g, and
+// it appends only the tile's candidates at or above the best floor of all warpgroups (without
+// it, each warpgroup's threshold rises only with its own rows). A candidate of the top 16
+// scores at least g and beats (g, PH_NO_ID), so it is never dropped; the floor entries never
+// reach the merged result, which has 16 candidates beating them. Any value once published
+// stays valid, so a floor loaded a tile earlier (off the critical path) is as exact.
+// Keys: an order-preserving map of the float to an unsigned, 0 (the workspace as the launcher
+// zeroes it) meaning no floor.
+__device__ __forceinline__ unsigned ut_key(float v) {
+    const unsigned b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float ut_unkey(unsigned k) {
+    if (k == 0u) return PH_NEG_INF;
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
 template <int NT>
 struct PhTopk {
     static constexpr int NC = 8 * NT;
@@ -89,9 +117,15 @@ struct PhTopk {
     PhRows rw;
     float* ws;
     int n;
+    // The columns of this block's chunk that exist (the last chunk's others are padding: their
+    // logits are zeros, which would all tie; no list is kept for them).
+    int live;
     bool full = false;  // every list of this warpgroup is full (lists never empty again)
+    unsigned* gf;       // [n] the columns' shared floor keys (ut_key), after the partials
+    unsigned g_next = 0u;  // thread c: column c's floor key for the next tile
     __device__ __forceinline__ PhTopk(unsigned char* epi_smem, PhRows rows_, float* ws_, int n_)
-        : rw(rows_), ws(ws_), n(n_) {
+        : rw(rows_), ws(ws_), n(n_), live(min(NC, n_ - (int)blockIdx.y * NC)),
+          gf(reinterpret_cast<unsigned*>(ws_ + (long long)n_ * PH_MAX_PARTIALS * UT_K * 2) + blockIdx.y * NC) {
         lv = reinterpret_cast<float*>(epi_smem);
         li = reinterpret_cast<int*>(lv + NC * UT_K);
         cnt = li + NC * UT_K;
@@ -101,6 +135,19 @@ struct PhTopk {
     __device__ __forceinline__ void init() {
         for (int e = ph_tid(); e < NC * UT_K; e += PH_THREADS) { lv[e] = PH_NEG_INF; li[e] = PH_NO_ID; }
         for (int c = ph_tid(); c < NC; c += PH_THREADS) cnt[c] = 0;
+    }
+
+    // Thread c < live: raise column c's list to the floor g (its entries that do not beat
+    // (g, PH_NO_ID) become that; the list is sorted, so they are its last ones).
+    __device__ __forceinline__ void raise_to(int c, float g) {
+        if (g == PH_NEG_INF || !ph_beats(g, PH_NO_ID, lv[(UT_K - 1) * NC + c], li[(UT_K - 1) * NC + c])) return;
+#pragma unroll
+        for (int j = 0; j < UT_K; ++j) {
+            if (!ph_beats(lv[j * NC + c], li[j * NC + c], g, PH_NO_ID)) {
+                lv[j * NC + c] = g;
+                li[j * NC + c] = PH_NO_ID;
+            }
+        }
     }
 
     // Thread c: push column c's buffered candidates into its list (their order does not
@@ -182,7 +229,7 @@ struct PhTopk {
             }
         PH_SYNC();
         const int c = ph_tid();
-        if (c < NC && lv[(UT_K - 1) * NC + c] == PH_NEG_INF) {
+        if (c < live && lv[(UT_K - 1) * NC + c] == PH_NEG_INF) {
             float h[32];
 #pragma unroll
             for (int k = 0; k < 32; ++k) h[k] = cv[k * NC + c];
@@ -206,10 +253,19 @@ struct PhTopk {
         int ids[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) ids[k] = rw.id(ph_row(r0, k >> 1, k & 1), row_end);
+        // Thread `own` raises column own's list to its shared floor as loaded at the end of the
+        // previous tile (a value a tile old is as valid, and its load is off the critical
+        // path); while a list may still be empty, the floor is loaded now: other warpgroups'
+        // first floors spare it most of a first tile's appends.
+        const int own = ph_tid();
+        if (!full && own < live) g_next = *reinterpret_cast<volatile unsigned*>(gf + own);
+        const float g = ut_unkey(g_next);
+        if (own < live) raise_to(own, g);
         if (!full) {  // until every list is full: a floor for those with empty entries
-            const int c = ph_tid();
-            if (PH_SYNC_OR(c < NC && lv[(UT_K - 1) * NC + c] == PH_NEG_INF)) fill_floor(acc, ids);
+            if (PH_SYNC_OR(own < live && lv[(UT_K - 1) * NC + own] == PH_NEG_INF)) fill_floor(acc, ids);
             else full = true;
+        } else {
+            PH_SYNC();  // the raised lists are visible to every holder
         }
         const int id_min = min(min(ids[0], ids[1]), min(ids[2], ids[3]));
         // Bit 4 * (2 * nt + e) + k (of word nt / 4): appended already (or not a candidate).
@@ -226,6 +282,7 @@ struct PhTopk {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int c = nt * 8 + 2 * (lane & 3) + e;
+                    if (c >= live) continue;  // a padding column of the last chunk
                     const int sh = 4 * (2 * (nt & 3) + e);
                     const float tv = lv[(UT_K - 1) * NC + c];
                     float x[4];
@@ -293,6 +350,13 @@ struct PhTopk {
             }
             if (!PH_SYNC_OR(more)) break;
         }
+        // Publish a full list's 16th value where it beats the floor this tile started from,
+        // then load the floor for the next tile.
+        if (own < live) {
+            const float v16 = lv[(UT_K - 1) * NC + own];
+            if (v16 != PH_NEG_INF && v16 > g) atomicMax(gf + own, ut_key(v16));
+            g_next = *reinterpret_cast<volatile unsigned*>(gf + own);
+        }
     }
 
     __device__ __forceinline__ void finish() {
@@ -327,8 +391,10 @@ PH_TOPK_ENTRY(16)
 // way, pairwise through shared memory (log2(UT_MERGE_WARPS) levels; warp 0 writes the result). Every step keeps the exact top 16 of the entries seen (the
 // order is total and the ids are distinct), so the result is the column's top 16, best
 // first; empty entries (-inf, no id) fill a column with fewer candidates. The partial lists
-// never hold NaN (the epilogue ranks NaN as -inf and never stores it) nor a floor entry
-// (f, PH_NO_ID) (see fill_floor).
+// never hold NaN (the epilogue ranks NaN as -inf and never stores it); they may hold floor
+// entries (f, PH_NO_ID), equal ones in several lists (a comparison network sorts equal
+// entries too), but none reaches the result: 16 candidates of the column beat each (see
+// ut_key).
 #define UT_MERGE_WARPS 16
 #define UT_MERGE_THREADS (32 * UT_MERGE_WARPS)
 #define UT_MERGE_AHEAD 16

@@ -61,12 +61,19 @@ pub(crate) fn check(
     Ok(())
 }
 
-/// f32 elements of the workspace of a head op keeping `keep` candidates per column:
-/// `n * MAX_PARTIAL_BLOCKS * keep * 2` (saturating).
-pub(crate) fn workspace_len(p: &Params, keep: usize) -> usize {
+/// f32 elements of the partials of a head op keeping `keep` candidates per column:
+/// `n * MAX_PARTIAL_BLOCKS * keep * 2` (saturating); the top-16's floor keys follow them.
+pub(crate) fn partial_len(p: &Params, keep: usize) -> usize {
     [p.n, MAX_PARTIAL_BLOCKS, keep, 2]
         .iter()
         .fold(1usize, |a, &f| a.saturating_mul(f))
+}
+
+/// f32 elements of the workspace of a head op keeping `keep` candidates per column: the
+/// partials ([`partial_len`]) and, for the top-16 (`keep > 1`), `n` words of per-column
+/// floor keys (the launcher zeroes them before each launch; see kernels/unary_topk.cu).
+pub(crate) fn workspace_len(p: &Params, keep: usize) -> usize {
+    partial_len(p, keep).saturating_add(if keep > 1 { p.n } else { 0 })
 }
 
 /// Check that `workspace` holds at least [`workspace_len`] elements.
@@ -82,7 +89,11 @@ pub(crate) fn check_workspace(
             op,
             tensor: "workspace",
             expected: need,
-            shape: format!("at least [n={}, {MAX_PARTIAL_BLOCKS}, {keep}, 2]", p.n),
+            shape: if keep > 1 {
+                format!("at least [n={}, {MAX_PARTIAL_BLOCKS}, {keep}, 2] + n", p.n)
+            } else {
+                format!("at least [n={}, {MAX_PARTIAL_BLOCKS}, {keep}, 2]", p.n)
+            },
             found: workspace.len(),
         });
     }
@@ -588,6 +599,6 @@ mod tests {
             head: ProposalHead::Full,
         };
         assert_eq!(workspace_len(&p, 1), 120 * 1024 * 2);
-        assert_eq!(workspace_len(&p, 16), 120 * 1024 * 32);
+        assert_eq!(workspace_len(&p, 16), 120 * 1024 * 32 + 120);
     }
 }

@@ -7,10 +7,10 @@ use std::sync::OnceLock;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{OP, Params};
+use super::{OP, Params, TOP_K};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::proposal_argmax::cuda::SOURCE as SHARED;
-use crate::proposal_argmax::head::{HeadKernels, cuda::launch_gemm};
+use crate::proposal_argmax::head::{self, HeadKernels, cuda::launch_gemm};
 use crate::{Buffer, Result};
 
 /// Threads of a merge block (`UT_MERGE_THREADS`, its launch bound).
@@ -63,6 +63,12 @@ pub(super) fn run(
     workspace: &mut Buffer<f32>,
     p: &Params,
 ) -> Result<()> {
+    // The per-column floor keys start at zero (no floor) in every launch.
+    let floors = head::partial_len(p, TOP_K);
+    let ws = workspace.device_mut(OP, "workspace")?;
+    c.stream()
+        .memset_zeros(&mut ws.slice_mut(floors..floors + p.n))
+        .map_err(cuda_err("clearing the unary_topk floor keys"))?;
     let blocks = launch_gemm(c, &kernels(), hidden, head_w, token_ids, workspace, p)?;
     let f = c.function(OP, source(), "unary_topk_merge")?;
     let cfg = LaunchConfig {

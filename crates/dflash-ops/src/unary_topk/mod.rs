@@ -99,8 +99,9 @@ pub(crate) const EPILOGUE: crate::proposal_argmax::head::Epilogue =
         wgmma_stages: 4,
     };
 
-/// f32 elements the `workspace` of [`run`] must have at least: `n * 1024 * 32` (a top-16
-/// list of (value, id) partials per column for each of at most 1024 GEMM blocks).
+/// f32 elements the `workspace` of [`run`] must have at least: `n * 1024 * 32 + n` (a top-16
+/// list of (value, id) partials per column for each of at most 1024 GEMM blocks, then one
+/// shared floor word per column).
 pub fn workspace_len(p: &Params) -> usize {
     head::workspace_len(p, TOP_K)
 }

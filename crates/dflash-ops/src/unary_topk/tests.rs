@@ -410,6 +410,19 @@ mod epilogue_model {
         Some(f)
     }
 
+    /// `raise_to`: the list raised to a column's shared floor g (every entry that does not beat
+    /// (g, NO_ID) becomes that); -inf, or a floor the 16th entry already beats, changes nothing.
+    fn raise(list: &mut [Entry; K], g: f32) {
+        if g == f32::NEG_INFINITY || !beats((g, NO_ID), list[K - 1]) {
+            return;
+        }
+        for e in list.iter_mut() {
+            if !beats(*e, (g, NO_ID)) {
+                *e = (g, NO_ID);
+            }
+        }
+    }
+
     /// The two merges of a pass's candidates into the list.
     #[derive(Clone, Copy, Debug)]
     enum Merge {
@@ -613,6 +626,107 @@ mod epilogue_model {
                 }
                 prop_assert_eq!(list.to_vec(), reference(&all), "merge {:?}", how);
             }
+        }
+    }
+
+    proptest! {
+        /// Several warpgroups of one column, their tiles run in any interleaving, each tile
+        /// starting from the column's shared floor as published so far (`raise` to it, then
+        /// `tile`, then publish the list's 16th value where it beats that floor, as atomicMax):
+        /// the top 16 of the union of the final lists (the merge) is the exact top 16. Floors
+        /// published a quarter step above the 16th value (half the levels' spacing) fail here.
+        #[test]
+        fn shared_floors_keep_the_merged_top16_exact(
+            groups in 2usize..6,
+            tiles in 1usize..5,
+            levels in prop::collection::vec(0u8..7, 128 * 20),
+            holes in prop::collection::vec(0u8..16, 128 * 20),
+            seed in any::<u64>(),
+        ) {
+            for how in MERGES {
+                let mut rng = seed | 1;
+                let mut next = move || {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng
+                };
+                let mut lists = vec![[EMPTY; K]; groups];
+                let mut left = vec![tiles; groups];
+                let mut shared = f32::NEG_INFINITY;
+                let mut all = Vec::new();
+                let mut t = 0usize;
+                while left.iter().any(|&l| l > 0) {
+                    let live: Vec<usize> = (0..groups).filter(|&w| left[w] > 0).collect();
+                    let w = live[(next() % live.len() as u64) as usize];
+                    left[w] -= 1;
+                    let elems: Vec<Entry> = (0..128)
+                        .map(|r| {
+                            let i = t * 128 + r;
+                            let v = match levels[i] {
+                                6 => f32::NAN,
+                                l => f32::from(l) * 0.5,
+                            };
+                            (v, if holes[i] == 0 { NO_ID } else { i as i32 })
+                        })
+                        .collect();
+                    t += 1;
+                    let p = shuffled(128, &mut next);
+                    let holders: Vec<[Entry; 4]> = (0..HOLDERS)
+                        .map(|h| std::array::from_fn(|k| elems[p[4 * h + k]]))
+                        .collect();
+                    let g = shared;
+                    raise(&mut lists[w], g);
+                    tile(&mut lists[w], &holders, how, |_| shuffled(HOLDERS, &mut next));
+                    let v16 = lists[w][K - 1].0;
+                    if v16 != f32::NEG_INFINITY && v16 > g {
+                        shared = shared.max(v16);
+                    }
+                    all.extend_from_slice(&elems);
+                }
+                let union: Vec<Entry> = lists.iter().flatten().copied().collect();
+                let mut merged = union.clone();
+                merged.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                merged.truncate(K);
+                prop_assert_eq!(merged, reference(&all), "merge {:?}", how);
+            }
+        }
+    }
+
+    #[test]
+    fn a_raised_list_keeps_the_entries_above_the_floor_and_ties_still_enter() {
+        for how in MERGES {
+            // A first tile fills the list with rows 112..127 (logit = row).
+            let order: Vec<usize> = (0..HOLDERS).collect();
+            let mut list = [EMPTY; K];
+            tile_into(&mut list, how, &order, |_, r| (r as f32, r));
+            // Another warpgroup's floor 120: entries 120..127 stay, the rest become the floor.
+            raise(&mut list, 120.0);
+            let ids: Vec<i32> = list.iter().map(|e| e.1).collect();
+            let mut want: Vec<i32> = (120..128).rev().collect();
+            want.resize(K, NO_ID);
+            assert_eq!(ids, want, "merge {how:?}");
+            assert!(list[8..].iter().all(|e| e.0 == 120.0));
+            // A tile whose logits tie the floor at lower ids enters above the floor entries;
+            // one below the floor does not.
+            tile_into(&mut list, how, &order, |h, r| {
+                if h == 0 {
+                    (120.0, r)
+                } else if h == 1 {
+                    (119.5, r)
+                } else {
+                    (0.0, 200 + r)
+                }
+            });
+            let ids: Vec<i32> = list.iter().map(|e| e.1).collect();
+            let mut want: Vec<i32> = (121..128).rev().collect();
+            want.extend([0, 1, 2, 3, 120]);
+            want.resize(K, NO_ID);
+            assert_eq!(ids, want, "merge {how:?}");
+            // A floor below the 16th entry changes nothing.
+            let before = list;
+            raise(&mut list, 119.0);
+            assert_eq!(list, before);
         }
     }
 
