@@ -23,7 +23,8 @@
 //!   multiple of 8 in `8..=65536`. Indexed: `token_ids` unique, each in `0..public_vocab`
 //!   (checked on the CPU; CUDA only copies them to the output).
 //! Writes. Exactly `scores[0..16n]` and `ids[0..16n]`; on CUDA also the first
-//!   [`workspace_len`] elements of `workspace` (scratch). Inputs are never written.
+//!   [`workspace_len`] elements of `workspace` (scratch; its content on entry does not
+//!   matter). Inputs are never written.
 //! Accumulation. Implementation choice (FP32); the oracle is f64 from the represented inputs.
 //! Comparison. scores: exact (bits); ids: exact, on inputs whose logits are exact in FP32 for
 //!   any summation order (see [`crate::proposal_argmax`]); real-valued inputs are covered by
@@ -37,8 +38,15 @@
 //! holders' best candidate logits; 16 distinct candidates score at least f, so nothing below
 //! f can end in the top 16, and the list's entries that do not beat (f, no id) become (f, no
 //! id): the list is full at threshold f (its floor entries rank after every candidate scoring
-//! f, and the tile's at least 16 candidates at f or above push them all out, so none is ever
-//! written). After every tile, passes run until no holder has a logit left that beats its
+//! f, and the tile's at least 16 candidates at f or above push them all out). The columns
+//! past `n` of the last column chunk (padding, all-zero logits) keep no list. Shared floors:
+//! after each tile a warpgroup publishes its full list's 16th value per column (`atomicMax`
+//! of an order-preserving key in the workspace, after the partials, zeroed before each
+//! launch), and before each tile it raises its lists to the largest value published (the
+//! entries that do not beat (g, no id) become (g, no id)); such a value is backed by 16
+//! distinct candidates scoring at least it, so this is exact, and a warpgroup's threshold
+//! follows the best rows all warpgroups have seen. Floor entries may stay in a partial list,
+//! but never reach the merged result (16 candidates beat each). After every tile, passes run until no holder has a logit left that beats its
 //! column's threshold: a holder skips the column with one compare when the max of its 4
 //! logits is below a full list's threshold (or equals it while none of its ids is below the
 //! threshold's: ties, as zero or duplicate head rows give, beat it only with a lower id); it
