@@ -585,6 +585,41 @@ mod epilogue_model {
         p
     }
 
+    /// A xorshift64 stream from a proptest seed.
+    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut rng = seed | 1;
+        move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        }
+    }
+
+    /// Tile `t`'s 128 elements: row i = 128 t + r scores `levels[i]` half steps (`nan`: NaN),
+    /// its id is the row (ids ascend with the row, as the kernel's rows) unless `holes[i]` is
+    /// 0 (no candidate).
+    fn tile_elems(t: usize, levels: &[u8], holes: &[u8], nan: u8) -> Vec<Entry> {
+        (0..128)
+            .map(|r| {
+                let i = t * 128 + r;
+                let v = match levels[i] {
+                    l if l == nan => f32::NAN,
+                    l => f32::from(l) * 0.5,
+                };
+                (v, if holes[i] == 0 { NO_ID } else { i as i32 })
+            })
+            .collect()
+    }
+
+    /// Any partition of a tile's rows into the 32 holders of 4 (the kernel's is fixed).
+    fn holders_of(elems: &[Entry], next: &mut impl FnMut() -> u64) -> Vec<[Entry; 4]> {
+        let p = shuffled(128, next);
+        (0..HOLDERS)
+            .map(|h| std::array::from_fn(|k| elems[p[4 * h + k]]))
+            .collect()
+    }
+
     proptest! {
         #[test]
         fn threshold_filter_and_insertion_give_the_exact_top16(
@@ -595,32 +630,12 @@ mod epilogue_model {
             seed in any::<u64>(),
         ) {
             for how in MERGES {
-                let mut rng = seed | 1;
-                let mut next = move || {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    rng
-                };
+                let mut next = xorshift(seed);
                 let mut list = [EMPTY; K];
                 let mut all = Vec::new();
                 for t in 0..tiles {
-                    let elems: Vec<Entry> = (0..128)
-                        .map(|r| {
-                            let i = t * 128 + r;
-                            let v = match levels[i] {
-                                5 => f32::NAN,
-                                l => f32::from(l) * 0.5,
-                            };
-                            // Ids ascend with the row (the kernel's rows), some rows no candidate.
-                            (v, if holes[i] == 0 { NO_ID } else { i as i32 })
-                        })
-                        .collect();
-                    // Any partition of the tile's rows into holders (the kernel's is fixed).
-                    let p = shuffled(128, &mut next);
-                    let holders: Vec<[Entry; 4]> = (0..HOLDERS)
-                        .map(|h| std::array::from_fn(|k| elems[p[4 * h + k]]))
-                        .collect();
+                    let elems = tile_elems(t, &levels, &holes, 5);
+                    let holders = holders_of(&elems, &mut next);
                     tile(&mut list, &holders, how, |_| shuffled(HOLDERS, &mut next));
                     all.extend_from_slice(&elems);
                 }
@@ -644,13 +659,7 @@ mod epilogue_model {
             seed in any::<u64>(),
         ) {
             for how in MERGES {
-                let mut rng = seed | 1;
-                let mut next = move || {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    rng
-                };
+                let mut next = xorshift(seed);
                 let mut lists = vec![[EMPTY; K]; groups];
                 let mut left = vec![tiles; groups];
                 let mut shared = f32::NEG_INFINITY;
@@ -660,21 +669,9 @@ mod epilogue_model {
                     let live: Vec<usize> = (0..groups).filter(|&w| left[w] > 0).collect();
                     let w = live[(next() % live.len() as u64) as usize];
                     left[w] -= 1;
-                    let elems: Vec<Entry> = (0..128)
-                        .map(|r| {
-                            let i = t * 128 + r;
-                            let v = match levels[i] {
-                                6 => f32::NAN,
-                                l => f32::from(l) * 0.5,
-                            };
-                            (v, if holes[i] == 0 { NO_ID } else { i as i32 })
-                        })
-                        .collect();
+                    let elems = tile_elems(t, &levels, &holes, 6);
                     t += 1;
-                    let p = shuffled(128, &mut next);
-                    let holders: Vec<[Entry; 4]> = (0..HOLDERS)
-                        .map(|h| std::array::from_fn(|k| elems[p[4 * h + k]]))
-                        .collect();
+                    let holders = holders_of(&elems, &mut next);
                     let g = shared;
                     raise(&mut lists[w], g);
                     tile(&mut lists[w], &holders, how, |_| shuffled(HOLDERS, &mut next));
