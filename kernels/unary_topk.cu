@@ -85,7 +85,7 @@ __device__ __forceinline__ float ut_sixteenth(float (&h)[32]) {
 // by 16 distinct candidates scoring at least v (a list's entries are candidates, or floor
 // entries (f, PH_NO_ID) whose f is itself so backed: see fill_floor), so no candidate below
 // the largest published value can be in the column's top 16. Each tile, a warpgroup first
-// raises its lists to the floor g it last loaded, the way fill_floor does: every entry that
+// raises its lists to the floor g it last loaded (raise_to, as fill_floor does): every entry that
 // does not beat (g, PH_NO_ID) becomes (g, PH_NO_ID). Its threshold is then at least g, and
 // it appends only the tile's candidates at or above the best floor of all warpgroups (without
 // it, each warpgroup's threshold rises only with its own rows). A candidate of the top 16
@@ -233,16 +233,7 @@ struct PhTopk {
             float h[32];
 #pragma unroll
             for (int k = 0; k < 32; ++k) h[k] = cv[k * NC + c];
-            const float f = ut_sixteenth(h);
-            if (f != PH_NEG_INF) {
-#pragma unroll
-                for (int j = 0; j < UT_K; ++j) {
-                    if (!ph_beats(lv[j * NC + c], li[j * NC + c], f, PH_NO_ID)) {
-                        lv[j * NC + c] = f;
-                        li[j * NC + c] = PH_NO_ID;
-                    }
-                }
-            }
+            raise_to(c, ut_sixteenth(h));
         }
         PH_SYNC();  // the floors are visible; the buffer is free again
     }
@@ -354,7 +345,7 @@ struct PhTopk {
         // then load the floor for the next tile.
         if (own < live) {
             const float v16 = lv[(UT_K - 1) * NC + own];
-            if (v16 != PH_NEG_INF && v16 > g) atomicMax(gf + own, ut_key(v16));
+            if (v16 > g) atomicMax(gf + own, ut_key(v16));  // never an empty list's -inf
             g_next = *reinterpret_cast<volatile unsigned*>(gf + own);
         }
     }

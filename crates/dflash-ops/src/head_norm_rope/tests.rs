@@ -317,55 +317,18 @@ fn qkv_form_refuses_bad_shapes_and_positions_without_writing() {
         be.filled(8, bf16::POISON).expect("alloc"),
         be.filled(8, bf16::POISON).expect("alloc"),
     );
+    let mut call = |x: &Buffer<f32>, q_w: &Buffer<bf16>, angles: &Buffer<f32>| {
+        let out = QkvOut {
+            q: &mut q,
+            k: &mut k,
+            v: &mut v,
+        };
+        run_qkv(&be, x, q_w, &w, angles, out, &p)
+    };
     for (name, e) in [
-        (
-            "qkv",
-            run_qkv(
-                &be,
-                &short_f(31),
-                &w,
-                &w,
-                &angles,
-                QkvOut {
-                    q: &mut q,
-                    k: &mut k,
-                    v: &mut v,
-                },
-                &p,
-            ),
-        ),
-        (
-            "q_norm",
-            run_qkv(
-                &be,
-                &x,
-                &short_b(3),
-                &w,
-                &angles,
-                QkvOut {
-                    q: &mut q,
-                    k: &mut k,
-                    v: &mut v,
-                },
-                &p,
-            ),
-        ),
-        (
-            "angles",
-            run_qkv(
-                &be,
-                &x,
-                &w,
-                &w,
-                &short_f(3),
-                QkvOut {
-                    q: &mut q,
-                    k: &mut k,
-                    v: &mut v,
-                },
-                &p,
-            ),
-        ),
+        ("qkv", call(&short_f(31), &w, &angles)),
+        ("q_norm", call(&x, &short_b(3), &angles)),
+        ("angles", call(&x, &w, &short_f(3))),
     ] {
         let e = e.expect_err(name);
         assert!(

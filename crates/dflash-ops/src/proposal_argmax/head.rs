@@ -62,7 +62,7 @@ pub(crate) fn check(
 }
 
 /// f32 elements of the partials of a head op keeping `keep` candidates per column:
-/// `n * MAX_PARTIAL_BLOCKS * keep * 2` (saturating); the top-16's floor keys follow them.
+/// `n * MAX_PARTIAL_BLOCKS * keep * 2` (saturating); the op's own per-column words follow.
 pub(crate) fn partial_len(p: &Params, keep: usize) -> usize {
     [p.n, MAX_PARTIAL_BLOCKS, keep, 2]
         .iter()
@@ -70,10 +70,9 @@ pub(crate) fn partial_len(p: &Params, keep: usize) -> usize {
 }
 
 /// f32 elements of the workspace of a head op keeping `keep` candidates per column: the
-/// partials ([`partial_len`]) and, for the top-16 (`keep > 1`), `n` words of per-column
-/// floor keys (the launcher zeroes them before each launch; see kernels/unary_topk.cu).
-pub(crate) fn workspace_len(p: &Params, keep: usize) -> usize {
-    partial_len(p, keep).saturating_add(if keep > 1 { p.n } else { 0 })
+/// partials ([`partial_len`]), then `words` per column for the op's own use (saturating).
+pub(crate) fn workspace_len(p: &Params, keep: usize, words: usize) -> usize {
+    partial_len(p, keep).saturating_add(p.n.saturating_mul(words))
 }
 
 /// Check that `workspace` holds at least [`workspace_len`] elements.
@@ -81,18 +80,21 @@ pub(crate) fn check_workspace(
     op: &'static str,
     p: &Params,
     keep: usize,
+    words: usize,
     workspace: &Buffer<f32>,
 ) -> Result<()> {
-    let need = workspace_len(p, keep);
+    let need = workspace_len(p, keep, words);
     if workspace.len() < need {
         return Err(OpsError::Length {
             op,
             tensor: "workspace",
             expected: need,
-            shape: if keep > 1 {
-                format!("at least [n={}, {MAX_PARTIAL_BLOCKS}, {keep}, 2] + n", p.n)
-            } else {
-                format!("at least [n={}, {MAX_PARTIAL_BLOCKS}, {keep}, 2]", p.n)
+            shape: match words {
+                0 => format!("at least [n={}, {MAX_PARTIAL_BLOCKS}, {keep}, 2]", p.n),
+                w => format!(
+                    "at least [n={}, {MAX_PARTIAL_BLOCKS}, {keep}, 2] + [n={}, {w}]",
+                    p.n, p.n
+                ),
             },
             found: workspace.len(),
         });
@@ -598,7 +600,7 @@ mod tests {
             public_vocab: 248_077,
             head: ProposalHead::Full,
         };
-        assert_eq!(workspace_len(&p, 1), 120 * 1024 * 2);
-        assert_eq!(workspace_len(&p, 16), 120 * 1024 * 32 + 120);
+        assert_eq!(workspace_len(&p, 1, 0), 120 * 1024 * 2);
+        assert_eq!(workspace_len(&p, 16, 1), 120 * 1024 * 32 + 120);
     }
 }

@@ -214,7 +214,7 @@ pub(crate) fn validate_token_ids(
 /// f32 elements the `workspace` of [`run`] must have at least: `n * 1024 * 2` (one
 /// (value, id) partial per column for each of at most 1024 GEMM blocks).
 pub fn workspace_len(p: &Params) -> usize {
-    head::workspace_len(p, 1)
+    head::workspace_len(p, 1, 0)
 }
 
 /// Pick, for each of `n` columns, the best candidate's global id (see the module contract).
@@ -232,7 +232,7 @@ pub fn run(
     head::check(OP, params, hidden, head_w, token_ids, 1)?;
     let n = params.n;
     check_len(OP, "ids", ids.len(), n, || format!("[n={n}]"))?;
-    head::check_workspace(OP, params, 1, workspace)?;
+    head::check_workspace(OP, params, 1, 0, workspace)?;
     if n == 0 {
         return Ok(());
     }

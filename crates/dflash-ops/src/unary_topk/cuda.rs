@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{OP, Params, TOP_K};
+use super::{FLOOR_WORDS, OP, Params, TOP_K};
 use crate::cuda::{CudaBackend, cuda_err};
 use crate::proposal_argmax::cuda::SOURCE as SHARED;
 use crate::proposal_argmax::head::{self, HeadKernels, cuda::launch_gemm};
@@ -67,7 +67,7 @@ pub(super) fn run(
     let floors = head::partial_len(p, TOP_K);
     let ws = workspace.device_mut(OP, "workspace")?;
     c.stream()
-        .memset_zeros(&mut ws.slice_mut(floors..floors + p.n))
+        .memset_zeros(&mut ws.slice_mut(floors..floors + p.n * FLOOR_WORDS))
         .map_err(cuda_err("clearing the unary_topk floor keys"))?;
     let blocks = launch_gemm(c, &kernels(), hidden, head_w, token_ids, workspace, p)?;
     let f = c.function(OP, source(), "unary_topk_merge")?;

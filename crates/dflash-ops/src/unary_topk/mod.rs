@@ -111,8 +111,12 @@ pub(crate) const EPILOGUE: crate::proposal_argmax::head::Epilogue =
 /// list of (value, id) partials per column for each of at most 1024 GEMM blocks, then one
 /// shared floor word per column).
 pub fn workspace_len(p: &Params) -> usize {
-    head::workspace_len(p, TOP_K)
+    head::workspace_len(p, TOP_K, FLOOR_WORDS)
 }
+
+/// Workspace words per column after the partials: the column's shared floor key
+/// (kernels/unary_topk.cu, `ut_key`; the launcher zeroes them before each launch).
+const FLOOR_WORDS: usize = 1;
 
 /// Select the top-16 candidates of each of `n` columns (see the module contract).
 /// `token_ids` is `None` for the full head and the `[rows]` map for the indexed head. A
@@ -139,7 +143,7 @@ pub fn run(
         format!("[n={n}, 16]")
     })?;
     check_len(OP, "ids", ids.len(), out_len, || format!("[n={n}, 16]"))?;
-    head::check_workspace(OP, params, TOP_K, workspace)?;
+    head::check_workspace(OP, params, TOP_K, FLOOR_WORDS, workspace)?;
     if n == 0 {
         return Ok(());
     }

@@ -400,13 +400,7 @@ mod epilogue_model {
             .collect();
         maxes.sort_by(|a, b| b.total_cmp(a));
         let f = maxes[K - 1];
-        if f != f32::NEG_INFINITY {
-            for e in list.iter_mut() {
-                if !beats(*e, (f, NO_ID)) {
-                    *e = (f, NO_ID);
-                }
-            }
-        }
+        raise(list, f);
         Some(f)
     }
 
@@ -676,7 +670,7 @@ mod epilogue_model {
                     raise(&mut lists[w], g);
                     tile(&mut lists[w], &holders, how, |_| shuffled(HOLDERS, &mut next));
                     let v16 = lists[w][K - 1].0;
-                    if v16 != f32::NEG_INFINITY && v16 > g {
+                    if v16 > g {
                         shared = shared.max(v16);
                     }
                     all.extend_from_slice(&elems);
