@@ -511,7 +511,9 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
             width: 4
         })
     ));
+    // A valid tree row does not save a batch whose other row has a bad parent.
     let tree = [0u32, 0];
+    let self_parent = [1u32];
     assert!(matches!(
         run(
             &mut t,
@@ -521,11 +523,15 @@ fn misuse_is_refused_with_typed_errors_and_no_state_change() {
                     tokens: &[1, 2, 3],
                     parents: Some(&tree)
                 },
-                VerifyRow::chain(idle, &[1])
+                VerifyRow {
+                    seq: idle,
+                    tokens: &[1, 2],
+                    parents: Some(&self_parent)
+                }
             ],
             4
         ),
-        Err(TargetError::TreeUnsupported { row: 0 })
+        Err(TargetError::BadParents { row: 1, .. })
     ));
     let forward_parent = [1u32, 1];
     assert!(matches!(

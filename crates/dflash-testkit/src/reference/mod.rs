@@ -28,14 +28,31 @@
 //! f32, features rounded once to BF16, logits f32. It runs on the host; outputs are written to
 //! the caller's backend (uploaded when that is a device).
 //!
-//! Records and folding: a verify keeps, per Gated DeltaNet block, the recurrent state after
-//! every column and every column's conv input, and per attention block the K/V of every
-//! column. `commit(N)` sets the recurrent state to the record after column `N-1`, advances the
-//! conv window by the first `N` inputs, appends the first `N` K/V rows and moves the frontier
-//! by `N`. Prefill is the same forward followed by the same fold of all its columns.
+//! Records and folding: a verify keeps, indexed by column, per Gated DeltaNet block the
+//! recurrent state after every column and every column's conv input, per attention block the
+//! K/V of every column, and the row's parents (the chain's when it has none). A commit folds a
+//! root-to-node path of columns (`Accepted::Prefix(N)` is the path `0, 1, .., N-1`): the
+//! recurrent state becomes the record after the path's last column, the conv window advances
+//! by the path columns' inputs in path order, their K/V rows are appended in path order and
+//! the frontier moves by the path's length. Prefill is the same forward (a chain) followed by
+//! the same fold of all its columns.
 //!
-//! Trees: this target verifies chains only ([`TargetInfo::supports_trees`] is false); a row
-//! whose parents are not the chain gets [`TargetError::TreeUnsupported`].
+//! Trees: this target verifies trees ([`TargetInfo::supports_trees`] is true). A row with
+//! parents computes column `i` on top of its parent `parents[i-1]`: its Gated DeltaNet state
+//! and conv window continue the parent's (column 0 continues the committed state), it attends
+//! to the committed cache and then to its ancestors' new K/V in root-to-node order (itself
+//! last; siblings and other branches are invisible), and it takes the RoPE position
+//! `F + depth(i)`. So every node computes, bit for bit, what the last column of a chain verify
+//! of its root path computes; a chain (`parents[i-1] = i-1`, or `None`) is the special case.
+//! Parents are checked ([`TargetError::BadParents`]: `Q - 1` of them, each an earlier column).
+//! Capacity counts positions, not columns: a row needs `F + max depth + 1 <= max_positions`
+//! ([`TargetError::CapacityExceeded`] reports `max depth + 1` as its columns), since no commit
+//! can adopt more than a root-to-leaf path. A commit's [`Accepted::Path`] (on a tree or a
+//! chain verify) must start at column 0, each next entry a child of the previous one and every
+//! entry below `Q`; `Accepted::Prefix(N)` on a tree verify is allowed only when columns `0..N`
+//! form a chain. Anything else is [`TargetError::InvalidPath`] naming the offending entry (or,
+//! for more entries than `Q`, [`TargetError::CommitTooLong`]), refused like every commit
+//! refusal before any sequence changes.
 
 mod model;
 
@@ -225,7 +242,7 @@ impl ReferenceTarget {
             public_vocab: g.public_vocab,
             capture_ids: capture_ids.to_vec(),
             max_positions: g.max_positions,
-            supports_trees: false,
+            supports_trees: true,
         };
         Ok(ReferenceTarget {
             model,
@@ -256,6 +273,7 @@ impl ReferenceTarget {
         let _ = self.model.forward(
             &s.state,
             tokens,
+            None,
             &self.info.capture_ids,
             tokens.len(),
             Some(&mut trace),
@@ -293,18 +311,20 @@ impl ReferenceTarget {
         }
     }
 
+    /// `frontier + positions` must fit `max_positions`; `positions` is what the row uses (its
+    /// column count for a chain or prefill, max depth + 1 for a tree).
     fn check_capacity(
         &self,
         seq: SeqHandle,
         frontier: usize,
-        columns: usize,
+        positions: usize,
     ) -> std::result::Result<(), TargetError> {
         let max = self.info.max_positions;
-        if frontier.checked_add(columns).is_none_or(|e| e > max) {
+        if frontier.checked_add(positions).is_none_or(|e| e > max) {
             return Err(TargetError::CapacityExceeded {
                 seq,
                 frontier,
-                columns,
+                columns: positions,
                 max_positions: max,
             });
         }
@@ -315,6 +335,83 @@ impl ReferenceTarget {
         let h = SeqHandle::from_raw(self.next);
         self.next += 1;
         h
+    }
+}
+
+/// Positions a tree row with these (checked) parents uses: its maximum depth + 1.
+fn tree_positions(parents: &[u32]) -> usize {
+    let mut depth = Vec::with_capacity(parents.len() + 1);
+    depth.push(0usize);
+    for &p in parents {
+        depth.push(depth[p as usize] + 1);
+    }
+    depth.into_iter().max().map_or(1, |d| d + 1)
+}
+
+/// The columns `c` adopts from its pending verify `rec`, in fold order, or why it may not.
+fn accepted_path(c: &Commit, rec: &Records) -> std::result::Result<Vec<usize>, TargetError> {
+    let seq = c.seq;
+    let rows = c.rows();
+    if rows > rec.q {
+        return Err(TargetError::CommitTooLong {
+            seq,
+            rows,
+            columns: rec.q,
+        });
+    }
+    // The parent column of column `i >= 1`.
+    let parent = |i: usize| rec.parents[i - 1] as usize;
+    match &c.accepted {
+        Accepted::Prefix(n) => {
+            if let Some(i) = (1..*n).find(|&i| parent(i) != i - 1) {
+                return Err(TargetError::InvalidPath {
+                    seq,
+                    path: (0..*n as u32).collect(),
+                    reason: format!(
+                        "Prefix({n}) of a tree verify: the prefix is not a chain path (column \
+{i}'s parent is column {}, not {})",
+                        parent(i),
+                        i - 1
+                    ),
+                });
+            }
+            Ok((0..*n).collect())
+        }
+        Accepted::Path(p) => {
+            let invalid = |reason: String| TargetError::InvalidPath {
+                seq,
+                path: p.clone(),
+                reason,
+            };
+            for (k, &col) in p.iter().enumerate() {
+                let col = col as usize;
+                if col >= rec.q {
+                    return Err(invalid(format!(
+                        "entry {k} is column {col}, not below the verify's {} live columns",
+                        rec.q
+                    )));
+                }
+                if k == 0 {
+                    if col != 0 {
+                        return Err(invalid(format!(
+                            "entry 0 is column {col}, a path starts at the root column 0"
+                        )));
+                    }
+                } else if col == 0 || parent(col) != p[k - 1] as usize {
+                    let has = if col == 0 {
+                        "no parent (it is the root)".to_owned()
+                    } else {
+                        format!("parent {}", parent(col))
+                    };
+                    return Err(invalid(format!(
+                        "entry {k} is column {col}, which has {has}, not entry {} (column {})",
+                        k - 1,
+                        p[k - 1]
+                    )));
+                }
+            }
+            Ok(p.iter().map(|&col| col as usize).collect())
+        }
     }
 }
 
@@ -359,6 +456,7 @@ impl Target for ReferenceTarget {
         let fwd = self.model.forward(
             &s.state,
             tokens,
+            None,
             &self.info.capture_ids,
             tokens.len() - 1,
             None,
@@ -371,7 +469,8 @@ impl Target for ReferenceTarget {
         let Some(s) = self.seqs.get_mut(&seq) else {
             return Err(TargetError::UnknownSequence { seq });
         };
-        self.model.commit(&mut s.state, &fwd.records, tokens.len());
+        let all: Vec<usize> = (0..tokens.len()).collect();
+        self.model.commit(&mut s.state, &fwd.records, &all);
         Ok(out)
     }
 
@@ -409,6 +508,8 @@ impl Target for ReferenceTarget {
                     width: cols,
                 });
             }
+            // Positions the row uses: max depth + 1 (Q for a chain).
+            let mut positions = q;
             if let Some(p) = row.parents {
                 if p.len() != q - 1 {
                     return Err(TargetError::BadParents {
@@ -426,11 +527,9 @@ impl Target for ReferenceTarget {
                         ),
                     });
                 }
-                if !row.is_chain() {
-                    return Err(TargetError::TreeUnsupported { row: r });
-                }
+                positions = tree_positions(p);
             }
-            self.check_capacity(row.seq, s.state.frontier, q)?;
+            self.check_capacity(row.seq, s.state.frontier, positions)?;
         }
         let total = rows.len() * cols;
 
@@ -439,9 +538,14 @@ impl Target for ReferenceTarget {
         let mut records = Vec::with_capacity(rows.len());
         for (r, row) in rows.iter().enumerate() {
             let s = self.seq(row.seq)?;
-            let fwd = self
-                .model
-                .forward(&s.state, row.tokens, &self.info.capture_ids, 0, None);
+            let fwd = self.model.forward(
+                &s.state,
+                row.tokens,
+                row.parents,
+                &self.info.capture_ids,
+                0,
+                None,
+            );
             let q = row.tokens.len();
             logits[r * cols * v..(r * cols + q) * v].copy_from_slice(&fwd.logits);
             features[r * cols * fw..(r * cols + q) * fw].copy_from_slice(&fwd.features);
@@ -476,36 +580,15 @@ impl Target for ReferenceTarget {
             let Some(rec) = &s.pending else {
                 return Err(TargetError::NoPendingVerify { seq: c.seq });
             };
-            let n = match &c.accepted {
-                Accepted::Prefix(n) => *n,
-                Accepted::Path(p) => {
-                    if let Some(i) = p.iter().enumerate().position(|(i, &col)| col as usize != i) {
-                        return Err(TargetError::InvalidPath {
-                            seq: c.seq,
-                            path: p.clone(),
-                            reason: format!(
-                                "entry {i} is column {}, a chain verify's path is 0, 1, 2, ..",
-                                p[i]
-                            ),
-                        });
-                    }
-                    p.len()
-                }
-            };
-            if n > rec.q {
-                return Err(TargetError::CommitTooLong {
-                    seq: c.seq,
-                    rows: n,
-                    columns: rec.q,
-                });
-            }
-            plan.push((c.seq, n));
+            let path = accepted_path(c, rec)?;
+            plan.push((c.seq, path));
         }
-        for (seq, n) in plan {
+        // Every commit is valid: only now does any sequence change.
+        for (seq, path) in plan {
             if let Some(s) = self.seqs.get_mut(&seq)
                 && let Some(rec) = s.pending.take()
             {
-                self.model.commit(&mut s.state, &rec, n);
+                self.model.commit(&mut s.state, &rec, &path);
             }
         }
         Ok(())

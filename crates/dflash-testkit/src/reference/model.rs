@@ -7,10 +7,14 @@
 //! order. RoPE angles and their cos/sin are computed in f64 and rounded to f32.
 //!
 //! Determinism. Each column is computed by the same code whether it is one column of a long
-//! verify, a prefill position or a single decoded token: its arithmetic depends only on the
-//! column's input, its position and the state left by the previous columns (attention visits
-//! keys in position order, whether they sit in the committed cache or in this block's
-//! records). Hence verify-then-commit-N is bit-identical to N single-token steps.
+//! verify, a node of a tree verify, a prefill position or a single decoded token: its
+//! arithmetic depends only on the column's input, its position and the state left by its
+//! ancestors (the committed state, then the columns of its root-to-node path: attention visits
+//! the committed keys in position order, then the path's new keys in root-to-node order; the
+//! Gated DeltaNet state and conv window are its parent's). A chain is the tree whose parent of
+//! column `i` is `i - 1`. Hence verify-then-commit-N is bit-identical to N single-token steps,
+//! and a tree node computes exactly what the last column of a chain verify of its root path
+//! computes.
 
 use half::bf16;
 use safetensors::{Dtype, SafeTensors};
@@ -271,13 +275,17 @@ pub(crate) struct GdnRecords {
     pub conv_in: Vec<f32>,
 }
 
-/// The per-column records of one verify block (round scratch until commit).
+/// The per-column records of one verify block (round scratch until commit), indexed by
+/// column.
 #[derive(Clone, Debug)]
 pub(crate) struct Records {
     /// Live columns Q.
     pub q: usize,
+    /// The block's shape: `parents[i - 1] < i` is the parent column of column `i`, `Q - 1`
+    /// entries (a chain has `parents[i - 1] = i - 1`).
+    pub parents: Vec<u32>,
     pub gdn: Vec<GdnRecords>,
-    /// The K/V of the Q new columns per attention block.
+    /// The K/V of the Q new columns per attention block, `[Q, hkv*D]` in column order.
     pub kv: Vec<KvCache>,
 }
 
@@ -490,8 +498,8 @@ impl Model {
         self.geo.rms_eps as f32
     }
 
-    /// One Gated DeltaNet step for one column: updates the working state `ws` and appends the
-    /// column's records.
+    /// One Gated DeltaNet step for one column: updates the working state `ws` (its parent's
+    /// state on entry, the column's own on return) and appends the column's records.
     fn gdn_step(
         &self,
         w: &GdnWeights,
@@ -603,12 +611,15 @@ impl Model {
     }
 
     /// One gated attention step for the column at `pos`: appends its K/V to `new` (this block's
-    /// records) and attends over `cache ++ new` in position order.
+    /// records, in column order) and attends over the committed `cache` in position order,
+    /// then the new columns of `path` (the column's root-to-node path, itself last) in that
+    /// order.
     fn attn_step(
         &self,
         w: &AttnWeights,
         cache: &KvCache,
         new: &mut KvCache,
+        path: &[usize],
         pos: usize,
         n: &[f32],
     ) -> Vec<f32> {
@@ -626,8 +637,9 @@ impl Model {
         new.k.extend_from_slice(&k);
         new.v.extend_from_slice(&v);
         let kvw = hkv * d;
+        debug_assert_eq!(path.last(), Some(&(new.k.len() / kvw - 1)));
         let n_cache = cache.k.len() / kvw;
-        let n_total = n_cache + new.k.len() / kvw;
+        let n_total = n_cache + path.len();
         let key_at = |t: usize| -> (&[f32], &[f32]) {
             if t < n_cache {
                 (
@@ -635,7 +647,7 @@ impl Model {
                     &cache.v[t * kvw..(t + 1) * kvw],
                 )
             } else {
-                let u = t - n_cache;
+                let u = path[t - n_cache];
                 (
                     &new.k[u * kvw..(u + 1) * kvw],
                     &new.v[u * kvw..(u + 1) * kvw],
@@ -689,15 +701,21 @@ impl Model {
         matvec(head, g.vocab_rows, g.hidden, &xf)
     }
 
-    /// Run `tokens` as consecutive columns at positions `state.frontier ..` on top of `state`
-    /// (which is not modified). Captured features use `capture` (block ids, recorded order);
-    /// logits are computed for columns `logits_from ..`; when `trace` is given, the f32
-    /// residual after every block of every column is appended to it (`[Q, layers, H]`).
-    /// The caller guarantees valid token ids and capture ids.
+    /// Run `tokens` as the columns of a tree on top of `state` (which is not modified):
+    /// `parents[i - 1] < i` is the parent column of column `i` (`None`: the chain, parent
+    /// `i - 1`). Column `i` takes position `state.frontier + depth(i)` (`depth(0) = 0`, a child
+    /// one deeper than its parent), starts from its parent's Gated DeltaNet state and conv
+    /// window (column 0 from the committed ones) and attends to the committed cache, then its
+    /// root-to-node path's new K/V in that order. Captured features use `capture` (block ids,
+    /// recorded order); logits are computed for columns `logits_from ..`; when `trace` is
+    /// given, the f32 residual after every block of every column is appended to it
+    /// (`[Q, layers, H]`). The caller guarantees valid token ids, capture ids and parents
+    /// (`Q - 1` of them, each below its column).
     pub(crate) fn forward(
         &self,
         state: &SeqState,
         tokens: &[u32],
+        parents: Option<&[u32]>,
         capture: &[usize],
         logits_from: usize,
         mut trace: Option<&mut Vec<f32>>,
@@ -706,9 +724,19 @@ impl Model {
         let h = g.hidden;
         let q = tokens.len();
         let eps = self.eps();
-        let mut work = state.gdn.clone();
+        let parents: Vec<u32> = match parents {
+            Some(p) => p.to_vec(),
+            None => (0..q.saturating_sub(1) as u32).collect(),
+        };
+        debug_assert_eq!(parents.len(), q.saturating_sub(1));
+        debug_assert!(parents.iter().enumerate().all(|(i, &p)| (p as usize) <= i));
+        // Per Gated DeltaNet block, the working state after each column (indexed by column).
+        let mut after: Vec<Vec<GdnState>> = vec![Vec::new(); self.gdn_layers];
+        // Each column's root-to-node path of columns, itself last.
+        let mut paths: Vec<Vec<usize>> = Vec::with_capacity(q);
         let mut records = Records {
             q,
+            parents,
             gdn: vec![GdnRecords::default(); self.gdn_layers],
             kv: vec![KvCache::default(); self.attn_layers],
         };
@@ -716,17 +744,26 @@ impl Model {
         let mut features = vec![bf16::ZERO; q * fw];
         let mut logits = Vec::with_capacity(q.saturating_sub(logits_from) * g.vocab_rows);
         for (j, &tok) in tokens.iter().enumerate() {
-            let pos = state.frontier + j;
+            let parent = j.checked_sub(1).map(|i| records.parents[i] as usize);
+            let mut path = parent.map_or_else(Vec::new, |p| paths[p].clone());
+            path.push(j);
+            let pos = state.frontier + path.len() - 1;
             let t = tok as usize;
             let mut x = self.embed[t * h..(t + 1) * h].to_vec();
             for (li, layer) in self.layers.iter().enumerate() {
                 let n = zc_rmsnorm(&x, &layer.input_norm, eps);
                 let mix = match &layer.mixer {
                     Mixer::Gdn { slot, w } => {
-                        self.gdn_step(w, &mut work[*slot], &n, &mut records.gdn[*slot])
+                        let mut ws = match parent {
+                            Some(p) => after[*slot][p].clone(),
+                            None => state.gdn[*slot].clone(),
+                        };
+                        let out = self.gdn_step(w, &mut ws, &n, &mut records.gdn[*slot]);
+                        after[*slot].push(ws);
+                        out
                     }
                     Mixer::Attn { slot, w } => {
-                        self.attn_step(w, &state.kv[*slot], &mut records.kv[*slot], pos, &n)
+                        self.attn_step(w, &state.kv[*slot], &mut records.kv[*slot], &path, pos, &n)
                     }
                 };
                 for (xi, mi) in x.iter_mut().zip(&mix) {
@@ -755,6 +792,7 @@ impl Model {
             if j >= logits_from {
                 logits.extend(self.logits(&x));
             }
+            paths.push(path);
         }
         Forward {
             records,
@@ -763,28 +801,36 @@ impl Model {
         }
     }
 
-    /// Fold the first `n <= records.q` columns of `records` into `state`: recurrent state =
-    /// the recorded state after column `n - 1`, conv window advanced by the `n` recorded
-    /// inputs, K/V extended by `n` columns, frontier `+ n`. `n = 0` changes nothing.
-    pub(crate) fn commit(&self, state: &mut SeqState, records: &Records, n: usize) {
-        if n == 0 {
+    /// Fold the columns of `path` (a root-to-node path of `records`' tree, each entry the
+    /// parent of the next, first entry 0; the chain prefix `0..n` is the path of column
+    /// `n - 1`) into `state`: recurrent state = the recorded state after the path's last
+    /// column, conv window advanced by the path columns' recorded inputs in path order, K/V
+    /// extended by the path columns' rows in path order, frontier `+ path.len()`. An empty
+    /// path changes nothing. The caller guarantees a valid path.
+    pub(crate) fn commit(&self, state: &mut SeqState, records: &Records, path: &[usize]) {
+        let Some(&last) = path.last() else {
             return;
-        }
+        };
+        debug_assert!(path.iter().all(|&c| c < records.q));
         let g = &self.geo;
         let cd = g.conv_dim();
         let s_len = g.linear_value_heads * g.linear_key_dim * g.linear_value_dim;
         let win = g.conv_kernel - 1;
         for (st, rec) in state.gdn.iter_mut().zip(&records.gdn) {
-            st.s.copy_from_slice(&rec.states[(n - 1) * s_len..n * s_len]);
+            st.s.copy_from_slice(&rec.states[last * s_len..(last + 1) * s_len]);
             let mut all = std::mem::take(&mut st.conv);
-            all.extend_from_slice(&rec.conv_in[..n * cd]);
+            for &c in path {
+                all.extend_from_slice(&rec.conv_in[c * cd..(c + 1) * cd]);
+            }
             st.conv = all[all.len() - win * cd..].to_vec();
         }
         let kvw = g.kv_heads * g.head_dim;
         for (c, rec) in state.kv.iter_mut().zip(&records.kv) {
-            c.k.extend_from_slice(&rec.k[..n * kvw]);
-            c.v.extend_from_slice(&rec.v[..n * kvw]);
+            for &col in path {
+                c.k.extend_from_slice(&rec.k[col * kvw..(col + 1) * kvw]);
+                c.v.extend_from_slice(&rec.v[col * kvw..(col + 1) * kvw]);
+            }
         }
-        state.frontier += n;
+        state.frontier += path.len();
     }
 }
