@@ -28,10 +28,19 @@ __device__ __forceinline__ double ca_p(const float* prow, int g, int v) {
 }
 
 // Draw weight of id v < vocab whose p(v) is pv: mode 0 = p(v) (bonus / fallback),
-// 1 = max(p - onehot_x, 0), 2 = max(p - q_top16, 0) with q of the first slot holding v.
+// 1 = max(p - onehot_x, 0), 2 = max(p - q_top16, 0) with q of the first slot holding v,
+// 3 = the explicit slot weight s_w[s] where slot s holds v, else p(v) (tree_accept's
+// residual), 4 = 0 where a slot holds v, else p(v) (tree_accept's sum M).
 __device__ __forceinline__ double ca_weight_of(double pv, int v, int mode, int x,
-                                               const int* s_ids, const float* s_q) {
+                                               const int* s_ids, const float* s_q,
+                                               const double* s_w) {
     if (mode == 0) return pv;
+    if (mode >= 3) {
+        for (int s = 0; s < CA_TOP; ++s) {
+            if (s_ids[s] == v) return mode == 3 ? s_w[s] : 0.0;
+        }
+        return pv;
+    }
     double qv = 0.0;
     if (mode == 1) {
         qv = (v == x) ? 1.0 : 0.0;
@@ -43,16 +52,10 @@ __device__ __forceinline__ double ca_weight_of(double pv, int v, int mode, int x
     return fmax(__dsub_rn(pv, qv), 0.0);
 }
 
-// Draw weight of any id v (0 at and past the vocabulary).
-__device__ __forceinline__ double ca_weight(const float* prow, int g, int v, int vocab, int mode,
-                                            int x, const int* s_ids, const float* s_q) {
-    if (v >= vocab) return 0.0;
-    return ca_weight_of(ca_p(prow, g, v), v, mode, x, s_ids, s_q);
-}
-
 struct CaShared {
     double tile_sum[CA_MAX_TILES];
     double tile_w[CA_TILE];
+    double w[CA_TOP];
     int ids[CA_TOP];
     float q[CA_TOP];
     unsigned char pass[CA_MAX_COLS];
@@ -65,10 +68,15 @@ struct CaShared {
     int x;
 };
 
-// Blocked inverse-CDF draw (contract item 3). Returns -1 when there is no positive total or
-// no tile is chosen. Must be called by every thread of the block.
-__device__ int ca_draw(CaShared& sh, const float* prow, int g, int vocab, int mode, int x,
-                       float u) {
+// Draw weight of any id v (0 at and past the vocabulary).
+__device__ __forceinline__ double ca_weight(const CaShared& sh, const float* prow, int g, int v,
+                                            int vocab, int mode, int x) {
+    if (v >= vocab) return 0.0;
+    return ca_weight_of(ca_p(prow, g, v), v, mode, x, sh.ids, sh.q, sh.w);
+}
+
+// The tile sums of item 3 into sh.tile_sum (every thread; ends with a barrier).
+__device__ void ca_tile_sums(CaShared& sh, const float* prow, int g, int vocab, int mode, int x) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     const int tiles = (vocab + CA_TILE - 1) / CA_TILE;
     for (int j = warp; j < tiles; j += nwarps) {
@@ -88,7 +96,8 @@ __device__ int ca_draw(CaShared& sh, const float* prow, int g, int vocab, int mo
                 const int v = j * CA_TILE + (k0 + k) * 32 + lane;
                 // An id past the vocabulary weighs 0: adding it leaves a (never -0) as it is.
                 if (v < vocab) {
-                    a = __dadd_rn(a, ca_weight_of(ca_p_of(g, v, pl[k]), v, mode, x, sh.ids, sh.q));
+                    a = __dadd_rn(a, ca_weight_of(ca_p_of(g, v, pl[k]), v, mode, x, sh.ids, sh.q,
+                                                  sh.w));
                 }
             }
         }
@@ -96,6 +105,15 @@ __device__ int ca_draw(CaShared& sh, const float* prow, int g, int vocab, int mo
         if (lane == 0) sh.tile_sum[j] = a;
     }
     __syncthreads();
+}
+
+// Blocked inverse-CDF draw (contract item 3). Returns -1 when there is no positive total or
+// no tile is chosen. Must be called by every thread of the block.
+__device__ int ca_draw(CaShared& sh, const float* prow, int g, int vocab, int mode, int x,
+                       float u) {
+    const int tid = threadIdx.x;
+    const int tiles = (vocab + CA_TILE - 1) / CA_TILE;
+    ca_tile_sums(sh, prow, g, vocab, mode, x);
     if (tid == 0) {
         double total = 0.0;
         for (int j = 0; j < tiles; ++j) total = __dadd_rn(total, sh.tile_sum[j]);
@@ -117,7 +135,7 @@ __device__ int ca_draw(CaShared& sh, const float* prow, int g, int vocab, int mo
     const int jstar = sh.jstar;
     if (jstar < 0) return -1;  // uniform over the block
     for (int t = tid; t < CA_TILE; t += blockDim.x) {
-        sh.tile_w[t] = ca_weight(prow, g, jstar * CA_TILE + t, vocab, mode, x, sh.ids, sh.q);
+        sh.tile_w[t] = ca_weight(sh, prow, g, jstar * CA_TILE + t, vocab, mode, x);
     }
     __syncthreads();
     if (tid == 0) {

@@ -36,6 +36,7 @@ pub mod sliding_window_attention;
 pub mod softmax_attention;
 pub mod swiglu;
 pub mod target_distribution;
+pub mod tree_accept;
 pub mod unary_topk;
 
 pub use backend::{Backend, Borrowed, Buffer, Graph, Held, PendingRead};
@@ -61,6 +62,7 @@ pub const OPS: &[&str] = &[
     candidate_selector::OP,
     target_distribution::OP,
     chain_accept::OP,
+    tree_accept::OP,
     rng_uniform::OP,
 ];
 
@@ -83,5 +85,6 @@ pub(crate) const OP_CASES: &[fn() -> Vec<registry::Case>] = &[
     candidate_selector::cases,
     target_distribution::cases,
     chain_accept::cases,
+    tree_accept::cases,
     rng_uniform::cases,
 ];

@@ -65,7 +65,7 @@ pub(crate) enum PColumn<'a> {
 }
 
 impl PColumn<'_> {
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match *self {
             PColumn::Row(p) => p.len(),
             PColumn::OneHot { vocab, .. } => vocab,
@@ -97,11 +97,14 @@ fn weight(p: &PColumn<'_>, q: &ColumnQ<'_>, v: usize) -> f64 {
 /// The blocked inverse-CDF draw of the contract: `None` when the weights have no positive
 /// total (or the draw falls past it).
 pub(crate) fn blocked_draw(p: &PColumn<'_>, q: &ColumnQ<'_>, u: f32) -> Option<usize> {
-    let vocab = p.len();
-    let tiles = vocab.div_ceil(TILE);
-    let w = |v: usize| if v < vocab { weight(p, q, v) } else { 0.0 };
-    // Tile sums: 32 lane sums over k (sequential), then the shuffle-down tree over lanes.
-    let mut sums = vec![0f64; tiles];
+    blocked_draw_by(p.len(), |v| weight(p, q, v), u)
+}
+
+/// The tile sums of item 3 over weights `w(v)` of ids `v < vocab` (ids past it weigh 0):
+/// per tile 32 lane sums over k (sequential), then the shuffle-down tree over lanes.
+pub(crate) fn tile_sums(vocab: usize, w: impl Fn(usize) -> f64) -> Vec<f64> {
+    let w = |v: usize| if v < vocab { w(v) } else { 0.0 };
+    let mut sums = vec![0f64; vocab.div_ceil(TILE)];
     for (j, s) in sums.iter_mut().enumerate() {
         let mut lanes = [0f64; 32];
         for (l, lane) in lanes.iter_mut().enumerate() {
@@ -118,6 +121,17 @@ pub(crate) fn blocked_draw(p: &PColumn<'_>, q: &ColumnQ<'_>, u: f32) -> Option<u
         }
         *s = lanes[0];
     }
+    sums
+}
+
+/// The blocked total of item 3: the tile sums added in tile order from 0.
+pub(crate) fn blocked_total(vocab: usize, w: impl Fn(usize) -> f64) -> f64 {
+    tile_sums(vocab, w).iter().fold(0.0, |t, &s| t + s)
+}
+
+/// The blocked inverse-CDF draw of item 3 over weights `w(v)` of ids `v < vocab`.
+pub(crate) fn blocked_draw_by(vocab: usize, w: impl Fn(usize) -> f64, u: f32) -> Option<usize> {
+    let sums = tile_sums(vocab, &w);
     let mut total = 0.0f64;
     for &s in &sums {
         total += s;

@@ -460,6 +460,10 @@ pub fn kernel_modules() -> Vec<(&'static str, String)> {
             crate::target_distribution::cuda::SOURCE.into(),
         ),
         (
+            crate::tree_accept::OP,
+            crate::tree_accept::cuda::source().into(),
+        ),
+        (
             crate::unary_topk::OP,
             crate::unary_topk::cuda::source().into(),
         ),
