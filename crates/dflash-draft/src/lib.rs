@@ -14,6 +14,9 @@
 //! - [`TargetParts`]: the target's embedding and proposal head, lent by the caller per call.
 //! - [`synthetic`]: synthetic checkpoints and target parts for tests and benchmarks.
 //! - [`tool`]: the `propose` inspection tool's library side.
+//! - [`tree`]: the DFlash2 tree builder (host side): a proposal tree around the selector's
+//!   chain, its shape fixed from the lattice before any draw, children drawn without
+//!   replacement, laid out for `tree_accept`.
 //! - `conformance_cases` (feature `conformance`): whole-block CPU-vs-device conformance cases.
 //!
 //! A round, per request with frontier F and anchor a (context covering `[0, F)`):
@@ -65,6 +68,7 @@ mod model;
 pub mod synthetic;
 mod target;
 pub mod tool;
+pub mod tree;
 pub mod weights;
 
 #[cfg(feature = "conformance")]

@@ -287,6 +287,85 @@ fn run_cpu(inputs: &Inputs<'_>, outputs: &mut Outputs<'_>, p: &Params) -> Result
     Ok(())
 }
 
+/// One row of the edge-score lattice: `E_i[pred, c]` for the 16 ranks `c` of column i, the
+/// very code the walk uses (the contract's `a`, `dot` and `E`, F32 accumulation in
+/// increasing r), for callers that score other predecessors than the walk's (the DFlash2
+/// tree builder).
+///
+/// `g` is column i's projected hidden `[R]` (R = `g.len()`, `1..=MAX_RANK`); `w_pred` and
+/// `w_succ` the codebooks `[vocab, R]`; `pred` the predecessor's global id; `cand` and `unary`
+/// column i's `[16]` candidate ids and unary scores. Refuses (with [`OpsError::Length`],
+/// [`OpsError::Param`] or [`OpsError::Value`]) a length that does not fit, an empty or
+/// ragged codebook, and `pred` or a candidate outside `0..vocab`. The result is not checked:
+/// non-finite inputs give non-finite scores (the walk refuses those; so must the caller).
+pub fn edge_row(
+    g: &[bf16],
+    w_pred: &[bf16],
+    w_succ: &[bf16],
+    pred: usize,
+    cand: &[i32],
+    unary: &[f32],
+) -> Result<[f32; TOP_K]> {
+    let rank = g.len();
+    check_param(OP, "rank", (1..=MAX_RANK).contains(&rank), rank, || {
+        format!("g.len() in 1..={MAX_RANK}")
+    })?;
+    let vocab = w_pred.len() / rank;
+    check_param(
+        OP,
+        "vocab",
+        vocab >= 1 && vocab * rank == w_pred.len(),
+        w_pred.len(),
+        || format!("w_pred.len() a positive multiple of R = {rank}"),
+    )?;
+    check_len(OP, "w_succ", w_succ.len(), w_pred.len(), || {
+        format!("[vocab={vocab}, R={rank}]")
+    })?;
+    check_len(OP, "cand_ids", cand.len(), TOP_K, || "[16]".into())?;
+    check_len(OP, "unary", unary.len(), TOP_K, || "[16]".into())?;
+    if pred >= vocab {
+        return Err(value_err(
+            "pred",
+            0,
+            format!("an id in 0..{vocab}"),
+            pred.to_string(),
+        ));
+    }
+    if let Some(c) = cand
+        .iter()
+        .position(|&x| !usize::try_from(x).is_ok_and(|x| x < vocab))
+    {
+        return Err(value_err(
+            "cand_ids",
+            c,
+            format!("an id in 0..{vocab}"),
+            cand[c].to_string(),
+        ));
+    }
+    Ok(reference::edge_scores(
+        g,
+        &w_pred[pred * rank..][..rank],
+        w_succ,
+        cand,
+        unary,
+        rank,
+    ))
+}
+
+/// The distribution a walk step draws from, given its edge scores `e` (the contract's q,
+/// the walk's own code): `temperature > 0`: the F32 `softmax((E - max E) / T)`
+/// (`expf(f32(f32(E[c] - m) / T))`, summed in rank order, each divided by the sum);
+/// otherwise (NaN included) the exact one-hot at [`greedy_rank`].
+pub fn step_q(e: &[f32; TOP_K], temperature: f32) -> [f32; TOP_K] {
+    reference::step_q(e, temperature)
+}
+
+/// The greedy choice of a walk step: the lowest rank attaining `max_c e[c]` (exact F32
+/// comparisons; the walk's own code).
+pub fn greedy_rank(e: &[f32; TOP_K]) -> usize {
+    reference::greedy_rank(e)
+}
+
 /// The u64 seed of row `b` from its `[lo, hi]` words.
 pub(crate) fn seed_of(seeds: &[i32], b: usize) -> u64 {
     u64::from(seeds[2 * b] as u32) | u64::from(seeds[2 * b + 1] as u32) << 32

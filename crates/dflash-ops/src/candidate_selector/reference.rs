@@ -38,16 +38,21 @@ pub(crate) fn edge_scores(
     e
 }
 
-/// The decision of one step from its edge scores: the chosen rank and the q actually used.
-///
-/// `temperature <= 0`: lowest rank attaining the max, q one-hot. `temperature > 0`:
-/// `q = softmax((E - max E) / T)` in F32 (exp of each, sum in rank order, divide), then the
-/// first rank whose inclusive F32 prefix sum of q exceeds `u`, else the last rank.
-pub(crate) fn choose(
-    e: &[f32; TOP_K],
-    temperature: f32,
-    u: impl FnOnce() -> f32,
-) -> (usize, [f32; TOP_K]) {
+/// The lowest rank attaining `max_c E[c]` (exact F32 comparisons, `>` in rank order).
+pub(crate) fn greedy_rank(e: &[f32; TOP_K]) -> usize {
+    let mut j = 0;
+    for c in 1..TOP_K {
+        if e[c] > e[j] {
+            j = c;
+        }
+    }
+    j
+}
+
+/// The distribution a step draws from: `temperature > 0`: `q = softmax((E - max E) / T)` in
+/// F32 (`expf(f32(f32(E[c] - m) / T))` each, summed in rank order from 0, each divided by the
+/// sum); otherwise (also NaN) the one-hot at [`greedy_rank`] (exact 1.0 / 0.0).
+pub(crate) fn step_q(e: &[f32; TOP_K], temperature: f32) -> [f32; TOP_K] {
     let mut q = [0f32; TOP_K];
     if temperature > 0.0 {
         let mut m = e[0];
@@ -64,6 +69,24 @@ pub(crate) fn choose(
         for x in &mut q {
             *x /= s;
         }
+    } else {
+        q[greedy_rank(e)] = 1.0;
+    }
+    q
+}
+
+/// The decision of one step from its edge scores: the chosen rank and the q actually used.
+///
+/// `temperature <= 0`: lowest rank attaining the max, q one-hot. `temperature > 0`:
+/// q = [`step_q`], then the first rank whose inclusive F32 prefix sum of q exceeds `u`, else
+/// the last rank.
+pub(crate) fn choose(
+    e: &[f32; TOP_K],
+    temperature: f32,
+    u: impl FnOnce() -> f32,
+) -> (usize, [f32; TOP_K]) {
+    let q = step_q(e, temperature);
+    if temperature > 0.0 {
         let u = u();
         let mut cum = 0f32;
         let mut j = TOP_K - 1;
@@ -76,14 +99,7 @@ pub(crate) fn choose(
         }
         (j, q)
     } else {
-        let mut j = 0;
-        for c in 1..TOP_K {
-            if e[c] > e[j] {
-                j = c;
-            }
-        }
-        q[j] = 1.0;
-        (j, q)
+        (greedy_rank(e), q)
     }
 }
 
