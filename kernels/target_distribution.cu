@@ -23,6 +23,13 @@
 // live_form = 0 (Full): every p element of the row's columns is written (greedy one-hot, dead
 // zeros). live_form = 1 (Live): a greedy column writes greedy[r, i] = its argmax and nothing
 // in p; a sampled column writes greedy[r, i] = -1 and its p row; a dead column writes nothing.
+//
+// History (read only where the row's penalties are not neutral): `proposals` holds the tokens
+// of the nodes 1..cols-1 ([rows, cols-1]). has_parents = 0 (a chain): column i's history is
+// proposals[r, 0..i]. has_parents = 1 (a tree): node j's parent is parents[r, j-1] and column
+// i's history is the tokens of its root path i, par(i), .. excluding the anchor (node 0); a
+// parent outside 0..j (not an earlier node) ends the walk as if it were the anchor, so the
+// walk takes at most i steps and never leaves the row. `parents` is not read for a chain.
 
 #define TD_THREADS 512
 #define TD_MAX_COLS 256
@@ -62,14 +69,15 @@ __device__ __forceinline__ void td_better(float& bv, int& bi, float v, int i) {
 }
 
 // Steps 1-5 of the contract for id v with stored count cnt and logit l: the penalized,
-// scaled z; with `penal` false (neutral penalties) the count and the history are not read.
+// scaled z (the column's history is s_hist[0 .. hn)); with `penal` false (neutral penalties)
+// the count and the history are not read.
 __device__ __forceinline__ float td_z(int v, int cnt, float l, bool penal, const u32* s_filter,
-                                      const int* s_hist, int i, float rep, float freq,
+                                      const int* s_hist, int hn, float rep, float freq,
                                       float pres, bool greedy, float T) {
     if (penal) {
         long long c = (long long)cnt;
         if ((s_filter[(v >> 5) & 31] >> (v & 31)) & 1u) {
-            for (int j = 0; j < i; ++j) c += (s_hist[j] == v) ? 1 : 0;
+            for (int j = 0; j < hn; ++j) c += (s_hist[j] == v) ? 1 : 0;
         }
         if (c > 0) {
             l = (l > 0.0f) ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
@@ -143,12 +151,16 @@ template <typename LT>
 __device__ __forceinline__ void td_column(
     const LT* __restrict__ logits, long long logit_cols, const int* __restrict__ col_start,
     int starts, const int* __restrict__ live, const int* __restrict__ counts,
-    const int* __restrict__ proposals, const float* __restrict__ temperature,
-    const int* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
+    const int* __restrict__ proposals, const int* __restrict__ parents,
+    const float* __restrict__ temperature, const int* __restrict__ top_k,
+    const float* __restrict__ top_p, const float* __restrict__ min_p,
     const float* __restrict__ rep_pen, const float* __restrict__ freq_pen,
     const float* __restrict__ pres_pen, float* __restrict__ p, int* __restrict__ greedy_out,
-    int live_form, int rows, int cols, int vocab, int public_vocab, int vec4) {
+    int live_form, int rows, int cols, int vocab, int public_vocab, int vec4, int has_parents) {
     __shared__ int s_hist[TD_MAX_COLS];
+    __shared__ int s_tok[TD_MAX_COLS];
+    __shared__ int s_par[TD_MAX_COLS];
+    __shared__ int s_hn;
     __shared__ u32 s_filter[32];
     // Read by the cluster's other blocks: this block's best, its top-k counts and top-p
     // masses (two buffers, alternating by pass, so that one cluster barrier a pass suffices:
@@ -202,19 +214,46 @@ __device__ __forceinline__ void td_column(
     // nor the history are read (uniform over the cluster: it depends on the row only).
     const bool penal = !(rep == 1.0f && freq == 0.0f && pres == 0.0f);
 
-    // History d_1..d_i of this column (i <= cols - 1 <= TD_MAX_COLS - 1), and a 1024-bit
-    // filter of it (bit d & 1023 of each d_j): an id whose bit is clear is in no d_j, so its
-    // count is counts[r, v] alone and the history is scanned only for the few ids it flags.
-    // The 32 ids of a warp share one filter word (their v >> 5 is the same), a broadcast.
+    // History of this column, s_hist[0 .. hn) (hn <= i <= cols - 1 < TD_MAX_COLS), and a
+    // 1024-bit filter of it (bit d & 1023 of each of its tokens d): an id whose bit is clear is
+    // in no history token, so its count is counts[r, v] alone and the history is scanned only
+    // for the few ids it flags. The 32 ids of a warp share one filter word (their v >> 5 is the
+    // same), a broadcast.
+    int hn = i;
     if (penal) {
         if (tid < 32) s_filter[tid] = 0u;
-        __syncthreads();
-        for (int j = tid; j < i; j += nt) {
-            const int d = proposals[(size_t)r * (cols - 1) + j];
-            s_hist[j] = d;
-            atomicOr(&s_filter[(d >> 5) & 31], 1u << (d & 31));
+        const size_t hrow = (size_t)r * (cols - 1);
+        if (has_parents) {
+            // A tree: the tokens and parents of nodes 1..i, staged by the whole block; then one
+            // thread walks node i's root path in shared memory (each step to a smaller node, so
+            // at most i steps), writing its tokens to s_hist[0 ..).
+            for (int j = tid; j < i; j += nt) {
+                s_tok[j] = proposals[hrow + j];
+                s_par[j] = parents[hrow + j];
+            }
+            __syncthreads();
+            if (tid == 0) {
+                int len = 0;
+                for (int n = i; n >= 1;) {
+                    const int d = s_tok[n - 1];
+                    const int up = s_par[n - 1];
+                    s_hist[len++] = d;
+                    s_filter[(d >> 5) & 31] |= 1u << (d & 31);
+                    n = (up >= 0 && up < n) ? up : 0;  // not an earlier node: the anchor
+                }
+                s_hn = len;
+            }
+        } else {
+            // A chain: the prefix d_1..d_i.
+            __syncthreads();
+            for (int j = tid; j < i; j += nt) {
+                const int d = proposals[hrow + j];
+                s_hist[j] = d;
+                atomicOr(&s_filter[(d >> 5) & 31], 1u << (d & 31));
+            }
         }
         __syncthreads();
+        if (has_parents) hn = s_hn;
     }
 
     const int* crow = counts + (size_t)r * vocab;
@@ -260,7 +299,7 @@ __device__ __forceinline__ void td_column(
                     const int v = v4 + e;
                     if (v < public_vocab) {
                         const float z = td_z(v, penal ? cv[u][e] : 0, lv[u][e], penal, s_filter,
-                                             s_hist, i, rep, freq, pres, greedy, T);
+                                             s_hist, hn, rep, freq, pres, greedy, T);
                         if (!greedy) out[v] = z;
                         td_better(bv, bi, z, v);
                     }
@@ -285,8 +324,8 @@ __device__ __forceinline__ void td_column(
             for (int u = 0; u < TD_UNROLL; ++u) {
                 const int v = v0 + u * stride;
                 if (v < public_vocab) {
-                    const float z = td_z(v, penal ? cv[u] : 0, lv[u], penal, s_filter, s_hist, i,
-                                         rep, freq, pres, greedy, T);
+                    const float z = td_z(v, penal ? cv[u] : 0, lv[u], penal, s_filter, s_hist,
+                                         hn, rep, freq, pres, greedy, T);
                     if (!greedy) out[v] = z;
                     td_better(bv, bi, z, v);
                 }
@@ -464,15 +503,17 @@ __device__ __forceinline__ void td_column(
     extern "C" __global__ void __launch_bounds__(TD_THREADS, 1) NAME(                            \
         const LT* __restrict__ logits, long long logit_cols, const int* __restrict__ col_start, \
         int starts, const int* __restrict__ live, const int* __restrict__ counts,               \
-        const int* __restrict__ proposals, const float* __restrict__ temperature,               \
-        const int* __restrict__ top_k, const float* __restrict__ top_p,                         \
-        const float* __restrict__ min_p, const float* __restrict__ rep_pen,                     \
-        const float* __restrict__ freq_pen, const float* __restrict__ pres_pen,                 \
-        float* __restrict__ p, int* __restrict__ greedy_out, int live_form, int rows, int cols, \
-        int vocab, int public_vocab, int vec4) {                                                \
-        td_column<LT>(logits, logit_cols, col_start, starts, live, counts, proposals,           \
+        const int* __restrict__ proposals, const int* __restrict__ parents,                     \
+        const float* __restrict__ temperature, const int* __restrict__ top_k,                   \
+        const float* __restrict__ top_p, const float* __restrict__ min_p,                       \
+        const float* __restrict__ rep_pen, const float* __restrict__ freq_pen,                  \
+        const float* __restrict__ pres_pen, float* __restrict__ p,                              \
+        int* __restrict__ greedy_out, int live_form, int rows, int cols, int vocab,             \
+        int public_vocab, int vec4, int has_parents) {                                          \
+        td_column<LT>(logits, logit_cols, col_start, starts, live, counts, proposals, parents,  \
                       temperature, top_k, top_p, min_p, rep_pen, freq_pen, pres_pen, p,         \
-                      greedy_out, live_form, rows, cols, vocab, public_vocab, vec4);            \
+                      greedy_out, live_form, rows, cols, vocab, public_vocab, vec4,             \
+                      has_parents);                                                             \
     }
 
 // The two entries (f32 and bf16 logits).

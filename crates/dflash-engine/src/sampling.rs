@@ -101,7 +101,7 @@ impl Sampler {
             target_distribution::Columns::Padded,
             &self.live,
             &self.counts,
-            &self.proposals,
+            target_distribution::History::Chain(&self.proposals),
             &self.settings.view(),
             target_distribution::Outputs::Full(&mut self.p),
             &target_distribution::Params {

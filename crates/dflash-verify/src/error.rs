@@ -112,6 +112,14 @@ impl std::fmt::Display for QFault {
 /// every caller-owned value are as they were.
 #[derive(Debug, thiserror::Error)]
 pub enum VerifyError {
+    /// A tree row's shape is wrong (parents, sizes, a repeated sibling token).
+    #[error("row {row}: bad tree: {reason}")]
+    BadTree {
+        /// The row.
+        row: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// A device proposal buffer of [`crate::VerifyWorkspace::verify_device`] is too short
     /// for the batch.
     #[error("device proposals: `{tensor}` must hold at least {expected} elements, found {found}")]

@@ -86,9 +86,11 @@
 
 mod error;
 mod history;
+mod tree;
 
 pub use error::{QFault, Result, TokenRole, VerifyError};
 pub use history::{MAX_COUNT, TokenHistory};
+pub use tree::{TreeOutcome, TreeRow};
 
 pub use dflash_ops::target_distribution::Logits;
 pub use dflash_ops::target_distribution::Settings as SamplingSettings;
@@ -330,6 +332,10 @@ pub struct VerifyWorkspace {
     accepted: Buffer<i32>,
     out_tokens: Buffer<i32>,
     out_len: Buffer<i32>,
+    /// `[B, W-1]`: a tree's parents ([`VerifyWorkspace::verify_tree`]).
+    parents: Buffer<i32>,
+    /// `[B, W]`: a tree's accepted path.
+    path: Buffer<i32>,
     /// Host mirror of `counts` and, per slot, the ids that are nonzero there.
     counts_mirror: Vec<i32>,
     slot_ids: Vec<Vec<u32>>,
@@ -434,6 +440,7 @@ struct Staging {
     live: Vec<i32>,
     col_start: Vec<i32>,
     proposals: Vec<i32>,
+    parents: Vec<i32>,
     q: Vec<f32>,
     ids: Vec<i32>,
     temperature: Vec<f32>,
@@ -515,6 +522,8 @@ impl VerifyWorkspace {
             accepted: be.zeros(b)?,
             out_tokens: be.zeros(b * w)?,
             out_len: be.zeros(b)?,
+            parents: be.zeros(b * k)?,
+            path: be.zeros(b * w)?,
             counts_mirror: vec![0; b * v],
             slot_ids: vec![Vec::new(); b],
             counts_synced: true,
@@ -545,7 +554,9 @@ impl VerifyWorkspace {
         } else {
             0
         };
-        4 * (b * v + b * w * v + 2 * b * w + b * k + top + b * (7 + 2 + 1 + 1 + 1 + 1 + 1))
+        // counts, p, greedy + out_tokens + path, proposals + parents, q + ids, and per row
+        // the 7 settings, 2 seed words, live, col_start, start_pos, accepted, out_len.
+        4 * (b * v + b * w * v + 3 * b * w + 2 * b * k + top + b * (7 + 2 + 1 + 1 + 1 + 1 + 1))
     }
 
     /// Device bytes this workspace holds now (always [`Self::bytes`] of its shape: nothing is
@@ -575,6 +586,8 @@ impl VerifyWorkspace {
             + bytes(&self.accepted)
             + bytes(&self.out_tokens)
             + bytes(&self.out_len)
+            + bytes(&self.parents)
+            + bytes(&self.path)
     }
 
     /// The largest frontier a row may have (`F + W` stays below 2^31, the device position
@@ -1062,7 +1075,7 @@ impl VerifyWorkspace {
             target_distribution::Columns::Starts(&self.col_start),
             &self.live,
             &self.counts,
-            &self.proposals,
+            target_distribution::History::Chain(&self.proposals),
             &self.sampling.view(),
             target_distribution::Outputs::Live {
                 p: &mut self.p,
@@ -1390,9 +1403,22 @@ fn validate_settings(r: usize, s: &SamplingSettings) -> Result<()> {
     Ok(())
 }
 
-/// The retained-q checks: finite, non-negative, summing to 1, distinct ids, and the proposal
-/// among the ids with `q > 0`.
+/// The retained-q checks: a distribution ([`validate_q_distribution`]) holding the proposal
+/// among its ids with `q > 0`.
 fn validate_q(rq: &RetainedQ, proposal: u32) -> std::result::Result<(), QFault> {
+    validate_q_distribution(rq)?;
+    match rq.ids.iter().position(|&id| id == proposal) {
+        None => Err(QFault::ProposalNotCandidate { token: proposal }),
+        Some(slot) if rq.q[slot] == 0.0 => Err(QFault::ProposalZeroMass {
+            token: proposal,
+            slot,
+        }),
+        Some(_) => Ok(()),
+    }
+}
+
+/// A retained q as a distribution: finite, non-negative, summing to 1, distinct ids.
+fn validate_q_distribution(rq: &RetainedQ) -> std::result::Result<(), QFault> {
     for (s, &x) in rq.q.iter().enumerate() {
         if !x.is_finite() {
             return Err(QFault::NonFinite { slot: s, value: x });
@@ -1414,14 +1440,7 @@ fn validate_q(rq: &RetainedQ, proposal: u32) -> std::result::Result<(), QFault> 
     if (sum - 1.0).abs() > Q_SUM_TOLERANCE {
         return Err(QFault::Sum { sum });
     }
-    match rq.ids.iter().position(|&id| id == proposal) {
-        None => Err(QFault::ProposalNotCandidate { token: proposal }),
-        Some(slot) if rq.q[slot] == 0.0 => Err(QFault::ProposalZeroMass {
-            token: proposal,
-            slot,
-        }),
-        Some(_) => Ok(()),
-    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use crate::cuda::{CudaBackend, RawArg};
 use crate::{Buffer, Result};
 
-use super::{Columns, Logits, OP, Outputs, Params, Sampling};
+use super::{Columns, History, Logits, OP, Outputs, Params, Sampling};
 
 pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -29,7 +29,7 @@ pub(super) fn run(
     columns: Columns<'_>,
     live: &Buffer<i32>,
     counts: &Buffer<i32>,
-    proposals: &Buffer<i32>,
+    history: History<'_>,
     s: &Sampling<'_>,
     out: Outputs<'_>,
     params: &Params,
@@ -63,6 +63,12 @@ pub(super) fn run(
         Columns::Padded => (live, 0i32),
         Columns::Starts(b) => (b, 1i32),
     };
+    // Chain: the kernel never reads `parents` (has_parents = 0; the proposals are a
+    // well-typed placeholder).
+    let (tokens, parents, has_parents) = match history {
+        History::Chain(d) => (d, d, 0i32),
+        History::Tree { tokens, parents } => (tokens, parents, 1i32),
+    };
     // Full: the kernel never writes `greedy` (live_form = 0); the live counts are a
     // well-typed placeholder that is never written.
     let (p, greedy, live_form) = match out {
@@ -82,7 +88,8 @@ pub(super) fn run(
     let (start_p, _cs) = col_start.device(OP, "col_start")?.device_ptr(stream);
     let (live_p, _lv) = live.device(OP, "live")?.device_ptr(stream);
     let (counts_p, _ct) = counts.device(OP, "counts")?.device_ptr(stream);
-    let (prop_p, _pr) = proposals.device(OP, "proposals")?.device_ptr(stream);
+    let (tok_p, _tk) = tokens.device(OP, history.tokens_name())?.device_ptr(stream);
+    let (par_p, _pa) = parents.device(OP, "parents")?.device_ptr(stream);
     let (t_p, _t) = s.temperature.device(OP, "temperature")?.device_ptr(stream);
     let (k_p, _k) = s.top_k.device(OP, "top_k")?.device_ptr(stream);
     let (tp_p, _tp) = s.top_p.device(OP, "top_p")?.device_ptr(stream);
@@ -112,7 +119,8 @@ pub(super) fn run(
     ];
     args.extend(
         [
-            live_p, counts_p, prop_p, t_p, k_p, tp_p, mp_p, rep_p, freq_p, pres_p, p_p, greedy_p,
+            live_p, counts_p, tok_p, par_p, t_p, k_p, tp_p, mp_p, rep_p, freq_p, pres_p, p_p,
+            greedy_p,
         ]
         .map(RawArg::Ptr),
     );
@@ -123,7 +131,18 @@ pub(super) fn run(
             && logits_p.is_multiple_of(16)
             && counts_p.is_multiple_of(16),
     );
-    args.extend([live_form, rows, cols, vocab, public_vocab, vec4].map(RawArg::I32));
+    args.extend(
+        [
+            live_form,
+            rows,
+            cols,
+            vocab,
+            public_vocab,
+            vec4,
+            has_parents,
+        ]
+        .map(RawArg::I32),
+    );
     // SAFETY: argument types and order match target_distribution_kernel and
     // target_distribution_bf16_kernel; every length was checked by `run_with` against the
     // static shape the kernel indexes with (logits columns bounded by `logit_cols`); the

@@ -6,11 +6,17 @@
 //! Semantics. Row `r` is one request with `Q = live[r]` live columns (`1 <= Q <= cols`); the
 //! target output of verify column `i` predicts position `F+1+i` and is the logits column
 //! `c(r, i)` (`r * cols + i` for [`Columns::Padded`], `col_start[r] + i` for
-//! [`Columns::Starts`]): `logit(v) = logits[c(r, i), v]`. Let `d_j = proposals[r, j-1]`
-//! (`j = 1..cols-1`). For every live column `i < Q`, in this one order:
+//! [`Columns::Starts`]): `logit(v) = logits[c(r, i), v]`. The columns are the nodes of the
+//! row's proposal, given as a [`History`]: node 0 is the anchor; node `j = 1..cols-1` has the
+//! input token `x_j` and the parent `par(j) < j`. [`History::Chain`]: `x_j = proposals[r,
+//! j-1]`, `par(j) = j - 1`. [`History::Tree`] (DFlash2 tree verification): `x_j = tokens[r,
+//! j-1]`, `par(j) = parents[r, j-1]`. The root path of column `i` is `path(i) = { i, par(i),
+//! par(par(i)), .. }` down to but EXCLUDING node 0 (the anchor is already in `counts`); for a
+//! chain `path(i) = { 1, .., i }`. For every live column `i < Q`, in this one order:
 //!
-//! 1. History. `c(v) = counts[r, v] + #{ j in 1..=i : d_j == v }` (the request's token counts up
-//!    to and including the anchor, plus the proposals accepted before column `i`), computed in
+//! 1. History. `c(v) = counts[r, v] + #{ j in path(i) : x_j == v }` (the request's token counts
+//!    up to and including the anchor, plus the tokens that column `i`'s input follows: for a
+//!    chain the proposals `x_1 .. x_i`; a tree's other branches never count), computed in
 //!    64-bit integers.
 //! 2. Public mask. Only `v < public_vocab` takes part; every `v >= public_vocab` gets
 //!    `p = 0` exactly and is never chosen.
@@ -55,15 +61,15 @@
 //!   row `r`'s `Q_r` columns after the previous row's: `col_start[0] = 0`,
 //!   `col_start[r+1] = col_start[r] + Q_r`) or padded (`col_start[r] = r * cols`).
 //!   p: `[rows, cols, vocab]` f32; greedy: `[rows, cols]` i32; live: `[rows]` i32;
-//!   counts: `[rows, vocab]` i32; proposals: `[rows, cols-1]` i32; every setting: `[rows]`
-//!   ([`Sampling`]).
+//!   counts: `[rows, vocab]` i32; history ([`History`]): proposals, or tokens and parents,
+//!   each `[rows, cols-1]` i32; every setting: `[rows]` ([`Sampling`]).
 //!   Row capacity: a tensor indexed by row may hold more rows than `rows` (a workspace planned
 //!   once for B rows runs a round of `n <= B` rows with its B-row buffers): its length is a
 //!   whole number of its rows, at least `rows`; padded logits likewise (rows of
 //!   `[cols, vocab]`); logits with starts hold a whole number of `vocab`-columns. Rows at or
 //!   past `rows` are never read or written.
-//! Dtypes. Logits f32 or bf16 ([`Logits`]); settings and `p` f32; counts, ids, `top_k`,
-//!   `live`, `col_start`, `greedy` i32.
+//! Dtypes. Logits f32 or bf16 ([`Logits`]); settings and `p` f32; counts, ids (proposals,
+//!   tokens), parents, `top_k`, `live`, `col_start`, `greedy` i32.
 //! Rounding points. A bf16 logit is widened exactly to f32 when it is loaded (the f32 with the
 //!   same sign, exponent and 7 fraction bits; no rounding), so bf16 logits give bit for bit
 //!   the result of their f32 widening. The penalized logit and `z` are f32 values (RNE, as
@@ -72,21 +78,27 @@
 //! Tie-breaking. Greedy argmax: lowest id. Top-k / top-p: every token tied with the boundary
 //!   value is kept (a value threshold, not an id-ordered prefix).
 //! Masking / live extents. Non-public rows: `p = 0`. Dead columns: zeros (`Full`) or untouched
-//!   (`Live`). Only proposals `d_1 .. d_(Q-1)` and only the public rows of the logits columns
-//!   `c(r, i)`, `i < Q`, are read (a dead column's logits need not exist).
-//! Caller guarantees (checked on the CPU, trusted on CUDA, where out-of-range proposals are
-//!   ignored, `live` is clamped to `0..=cols` and a live column whose logits column
-//!   `c(r, i)` lies outside the buffer is treated as dead: nothing read, zeros (`Full`) or
-//!   nothing (`Live`) written): `1 <= live <= cols`; with starts, `col_start[r] >= 0` and
-//!   `(col_start[r] + Q) * vocab <= logits.len()` (the logits cover every live column);
-//!   proposals of live columns `< vocab`; `counts >= 0`; settings valid ([`Sampling`]); public
-//!   logits of live columns are not NaN or `+inf` (`-inf` is allowed and gives `p = 0`); the
-//!   processed logits of a live column have a finite maximum (no `+inf` overflow from a tiny
-//!   temperature or a huge penalty, not all `-inf`).
+//!   (`Live`). Only the history of live nodes (`x_j` and, for a tree, `par(j)`, `j = 1 ..
+//!   Q-1`: a live node's root path holds live nodes only) and only the public rows of the
+//!   logits columns `c(r, i)`, `i < Q`, are read (a dead column's logits, tokens and parents
+//!   need not be valid). On CUDA a row whose penalties are neutral reads no history at all.
+//! Caller guarantees (checked on the CPU, trusted on CUDA, where out-of-range tokens are
+//!   ignored, a parent that is not an earlier node (outside `0..j` for node `j`) ends the
+//!   root path walk there as if it were the anchor (node `j`'s own token still counts), so a
+//!   bad tree can never make the walk loop or leave the row, `live` is clamped to `0..=cols`
+//!   and a live column whose logits column `c(r, i)` lies outside the buffer is treated as
+//!   dead: nothing read, zeros (`Full`) or nothing (`Live`) written): `1 <= live <= cols`;
+//!   with starts, `col_start[r] >= 0` and `(col_start[r] + Q) * vocab <= logits.len()` (the
+//!   logits cover every live column); tokens (proposals) of live nodes in `0..vocab`; for a
+//!   tree, parents of live nodes `0 <= parents[r, j-1] < j`; `counts >= 0`; settings valid
+//!   ([`Sampling`]); public logits of live columns are not NaN or `+inf` (`-inf` is allowed
+//!   and gives `p = 0`); the processed logits of a live column have a finite maximum (no
+//!   `+inf` overflow from a tiny temperature or a huge penalty, not all `-inf`).
 //! Writes. `Full`: every element of `p` in rows `< rows` (live columns: the distribution;
 //!   dead columns: zeros). `Live`: `greedy[r, i]` of every live column and `p[r, i, :]` of
 //!   every live sampled column, nothing else: the `p` rows of greedy and dead columns and the
-//!   `greedy` entries of dead columns keep their bits. Inputs are never written.
+//!   `greedy` entries of dead columns keep their bits. Inputs (the history included) are
+//!   never written.
 //! Comparison. `p`: close (abs 1e-7, rel 1e-5): both backends compute `e`, `m`, `S` in f64 /
 //!   exact integers from identical f32 `z`, so only the f64 `exp` (1 ulp) and the summation
 //!   order of `S` differ; kept sets, greedy one-hot columns and zeros are exact in practice
@@ -97,7 +109,11 @@
 //! and later (`CudaBackend::uses_clusters`), one block elsewhere and under
 //! `KernelVariants::Portable`; entries `target_distribution_kernel` (f32 logits) and
 //! `target_distribution_bf16_kernel` (bf16 logits, each widened by a 16-bit shift of its
-//! bits). Block `k` of a column's cluster owns the 512-id chunks at `k * 512 + j * 4096`, in
+//! bits). A row with non-neutral penalties first stages column `i`'s history in shared memory
+//! with a 1024-bit filter of its ids: a chain's prefix `x_1 .. x_i`; a tree's tokens and
+//! parents of nodes `1..=i` (loaded by the whole block), then one thread walks the root path
+//! in shared memory (at most `i` steps, each to a smaller node) and writes its tokens as the
+//! history. Block `k` of a column's cluster owns the 512-id chunks at `k * 512 + j * 4096`, in
 //! every pass. Pass 1 reduces each block's argmax: where the vocabulary is a multiple of 4 and
 //! the logits and counts start 16-byte aligned, thread `t` loads 4 consecutive ids of a chunk
 //! with one load (16 ids a thread in flight), else one id `t` of each chunk (8 in flight); a
@@ -226,6 +242,40 @@ pub enum Outputs<'a> {
     },
 }
 
+/// The proposal whose tokens make each column's history (see the contract's step 1).
+#[derive(Clone, Copy, Debug)]
+pub enum History<'a> {
+    /// A chain: `proposals: [rows, cols-1]`; node `j >= 1` has token `proposals[r, j-1]` and
+    /// parent `j - 1`, so column `i`'s history is the prefix `proposals[r, 0..i]`.
+    Chain(&'a Buffer<i32>),
+    /// A tree (DFlash2 tree verification): node `j >= 1` has token `tokens[r, j-1]` and parent
+    /// `parents[r, j-1] < j`; column `i`'s history is the tokens of its root path.
+    Tree {
+        /// `[rows, cols-1]` i32: the input token of each node `1..cols`.
+        tokens: &'a Buffer<i32>,
+        /// `[rows, cols-1]` i32: the parent of each node `1..cols`, an earlier node.
+        parents: &'a Buffer<i32>,
+    },
+}
+
+impl<'a> History<'a> {
+    /// The buffer of the nodes' tokens (a chain's proposals).
+    fn tokens(&self) -> &'a Buffer<i32> {
+        match *self {
+            History::Chain(d) => d,
+            History::Tree { tokens, .. } => tokens,
+        }
+    }
+
+    /// The tensor name of the nodes' tokens in errors.
+    fn tokens_name(&self) -> &'static str {
+        match self {
+            History::Chain(_) => "proposals",
+            History::Tree { .. } => "tokens",
+        }
+    }
+}
+
 /// Per-request sampling settings, one element per row, as device buffers (so that a captured
 /// CUDA graph replays with new settings).
 #[derive(Clone, Copy, Debug)]
@@ -336,10 +386,10 @@ impl SamplingBuffers {
 }
 
 /// Compute the processed target distribution `p` of every live verify column from padded f32
-/// logits, writing every element of `p` ([`Outputs::Full`]); the same as [`run_with`] with
-/// [`Logits::F32`] and [`Columns::Padded`]. Validates every shape and parameter (and, on the
-/// CPU, every value the contract constrains) before writing; a refused call leaves `p`
-/// untouched.
+/// logits of a chain proposal, writing every element of `p` ([`Outputs::Full`]); the same as
+/// [`run_with`] with [`Logits::F32`], [`Columns::Padded`] and [`History::Chain`]. Validates
+/// every shape and parameter (and, on the CPU, every value the contract constrains) before
+/// writing; a refused call leaves `p` untouched.
 pub fn run(
     be: &Backend,
     logits: &Buffer<f32>,
@@ -356,7 +406,7 @@ pub fn run(
         Columns::Padded,
         live,
         counts,
-        proposals,
+        History::Chain(proposals),
         sampling,
         Outputs::Full(p),
         params,
@@ -392,17 +442,17 @@ pub(crate) fn check_rows(
 }
 
 /// Compute what verification needs of the processed target distributions (see the module
-/// contract): logits in either dtype and either column layout, written in the [`Outputs`]
-/// form asked for. Validates every shape and parameter (and, on the CPU, every value the
-/// contract constrains, `col_start` included) before writing; a refused call leaves the
-/// outputs untouched.
+/// contract): logits in either dtype and either column layout, the history of a chain or a
+/// tree, written in the [`Outputs`] form asked for. Validates every shape and parameter (and,
+/// on the CPU, every value the contract constrains, `col_start` and a tree's parents
+/// included) before writing; a refused call leaves the outputs untouched.
 pub fn run_with(
     be: &Backend,
     logits: Logits<'_>,
     columns: Columns<'_>,
     live: &Buffer<i32>,
     counts: &Buffer<i32>,
-    proposals: &Buffer<i32>,
+    history: History<'_>,
     sampling: &Sampling<'_>,
     out: Outputs<'_>,
     params: &Params,
@@ -458,9 +508,18 @@ pub fn run_with(
     check_rows(OP, "counts", counts.len(), rows, vocab, || {
         format!("[vocab={vocab}]")
     })?;
-    check_rows(OP, "proposals", proposals.len(), rows, cols - 1, || {
-        format!("[cols-1={}]", cols - 1)
-    })?;
+    let node_row = || format!("[cols-1={}]", cols - 1);
+    check_rows(
+        OP,
+        history.tokens_name(),
+        history.tokens().len(),
+        rows,
+        cols - 1,
+        node_row,
+    )?;
+    if let History::Tree { parents, .. } = history {
+        check_rows(OP, "parents", parents.len(), rows, cols - 1, node_row)?;
+    }
     check_rows(OP, "temperature", sampling.temperature.len(), rows, 1, one)?;
     check_rows(OP, "top_k", sampling.top_k.len(), rows, 1, one)?;
     check_rows(OP, "top_p", sampling.top_p.len(), rows, 1, one)?;
@@ -518,12 +577,19 @@ pub fn run_with(
                     greedy: greedy.host_mut(OP, "greedy")?,
                 },
             };
+            let history = match history {
+                History::Chain(d) => reference::HostHistory::Chain(d.host(OP, "proposals")?),
+                History::Tree { tokens, parents } => reference::HostHistory::Tree {
+                    tokens: tokens.host(OP, "tokens")?,
+                    parents: parents.host(OP, "parents")?,
+                },
+            };
             reference::run(
                 &logits,
                 col_start,
                 live.host(OP, "live")?,
                 counts.host(OP, "counts")?,
-                proposals.host(OP, "proposals")?,
+                &history,
                 &settings,
                 out,
                 params,
@@ -531,7 +597,7 @@ pub fn run_with(
         }
         #[cfg(feature = "cuda")]
         Backend::Cuda(c) => cuda::run(
-            c, logits, columns, live, counts, proposals, sampling, out, params,
+            c, logits, columns, live, counts, history, sampling, out, params,
         ),
     }
 }
@@ -571,7 +637,10 @@ pub(crate) struct CaseData {
     pub(crate) logits: Vec<f32>,
     pub(crate) live: Vec<i32>,
     pub(crate) counts: Vec<i32>,
+    /// The nodes' tokens: a chain's proposals, or a tree's tokens.
     pub(crate) proposals: Vec<i32>,
+    /// A tree's parents (`None`: a chain).
+    pub(crate) parents: Option<Vec<i32>>,
     pub(crate) settings: Vec<Settings>,
 }
 
@@ -643,8 +712,48 @@ pub(crate) fn case_data(
         live,
         counts,
         proposals,
+        parents: None,
         settings: (0..rows).map(|r| settings[r % settings.len()]).collect(),
     }
+}
+
+/// [`case_data`] as a tree: node `j`'s parent is `j - 1` or (two times in three) a random
+/// earlier node, and its token the argmax of its parent's column (three times in four, so
+/// that siblings often carry the same token, as a drafter's branches from one node would)
+/// or a random public id. Logits, counts and live counts are [`case_data`]'s.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) fn tree_case_data(
+    rows: usize,
+    cols: usize,
+    vocab: usize,
+    public_vocab: usize,
+    seed: u64,
+    settings: &[Settings],
+) -> CaseData {
+    let mut d = case_data(rows, cols, vocab, public_vocab, seed, settings);
+    let mut g = Gen::new(seed ^ 0x7472_6565); // "tree"
+    let k = cols - 1;
+    let mut parents = vec![0i32; rows * k];
+    for r in 0..rows {
+        for j in 1..cols {
+            let par = if g.below(3) == 0 { j - 1 } else { g.below(j) };
+            parents[r * k + j - 1] = par as i32;
+            let col = &d.logits[(r * cols + par) * vocab..(r * cols + par) * vocab + public_vocab];
+            let mut best = 0usize;
+            for (v, &x) in col.iter().enumerate() {
+                if x > col[best] {
+                    best = v;
+                }
+            }
+            d.proposals[r * k + j - 1] = if g.below(4) == 0 {
+                g.below(public_vocab) as i32
+            } else {
+                best as i32
+            };
+        }
+    }
+    d.parents = Some(parents);
+    d
 }
 
 /// What a conformance case's inputs are.
@@ -655,6 +764,8 @@ pub(crate) enum Data {
     Plain,
     /// [`tie_case_data`].
     Ties,
+    /// [`tree_case_data`].
+    Tree,
 }
 
 #[cfg(any(test, feature = "conformance"))]
@@ -671,6 +782,7 @@ impl Data {
         match self {
             Data::Plain => case_data(rows, cols, vocab, public_vocab, seed, settings),
             Data::Ties => tie_case_data(rows, cols, vocab, public_vocab, seed, settings),
+            Data::Tree => tree_case_data(rows, cols, vocab, public_vocab, seed, settings),
         }
     }
 }
@@ -761,6 +873,16 @@ pub(crate) fn settings_mix() -> Vec<Settings> {
     ]
 }
 
+/// The settings of the tree cases: [`settings_mix`] with penalties in every row (greedy and
+/// sampled), so that every column's history is read.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) fn tree_settings() -> Vec<Settings> {
+    let mut s = settings_mix();
+    s[1].repetition_penalty = 1.2;
+    s[4].presence_penalty = 0.75;
+    s
+}
+
 /// The settings of the tie cases: [`settings_mix`] with top-k values (3 and 2) below the
 /// number of tied ids, so that the boundary falls inside the tie.
 #[cfg(any(test, feature = "conformance"))]
@@ -769,6 +891,50 @@ pub(crate) fn tie_settings() -> Vec<Settings> {
     s[2].top_k = 3;
     s[5].top_k = 2;
     s
+}
+
+/// A case's history uploaded (`proposals`, or `tokens` and `parents`; checked unchanged after
+/// the run).
+#[cfg(any(test, feature = "conformance"))]
+struct CaseHistory {
+    tokens: Buffer<i32>,
+    parents: Option<Buffer<i32>>,
+}
+
+#[cfg(any(test, feature = "conformance"))]
+impl CaseHistory {
+    fn upload(inputs: &mut InputCheck, be: &Backend, d: &CaseData) -> Result<Self> {
+        Ok(match &d.parents {
+            None => CaseHistory {
+                tokens: inputs.upload(be, "proposals", &d.proposals)?,
+                parents: None,
+            },
+            Some(parents) => CaseHistory {
+                tokens: inputs.upload(be, "tokens", &d.proposals)?,
+                parents: Some(inputs.upload(be, "parents", parents)?),
+            },
+        })
+    }
+
+    fn history(&self) -> History<'_> {
+        match &self.parents {
+            None => History::Chain(&self.tokens),
+            Some(parents) => History::Tree {
+                tokens: &self.tokens,
+                parents,
+            },
+        }
+    }
+
+    fn verify(&self, inputs: &InputCheck, be: &Backend, modified: &mut Vec<String>) -> Result<()> {
+        match &self.parents {
+            None => inputs.verify(be, "proposals", &self.tokens, modified),
+            Some(parents) => {
+                inputs.verify(be, "tokens", &self.tokens, modified)?;
+                inputs.verify(be, "parents", parents, modified)
+            }
+        }
+    }
 }
 
 /// A case's sampling settings uploaded as the seven per-row buffers (checked unchanged after
@@ -838,7 +1004,7 @@ fn case(
         let logits = inputs.upload(be, "logits", &d.logits)?;
         let live = inputs.upload(be, "live", &d.live)?;
         let counts = inputs.upload(be, "counts", &d.counts)?;
-        let proposals = inputs.upload(be, "proposals", &d.proposals)?;
+        let history = CaseHistory::upload(&mut inputs, be, &d)?;
         let settings = CaseSettings::upload(&mut inputs, be, &d.settings)?;
         let n = rows * cols * vocab;
         let mut p = be.filled(n, f32::POISON)?;
@@ -849,14 +1015,22 @@ fn case(
             vocab,
             public_vocab,
         };
-        run(
-            be, &logits, &live, &counts, &proposals, &sampling, &mut p, &params,
+        run_with(
+            be,
+            Logits::F32(&logits),
+            Columns::Padded,
+            &live,
+            &counts,
+            history.history(),
+            &sampling,
+            Outputs::Full(&mut p),
+            &params,
         )?;
         let mut modified = Vec::new();
         inputs.verify(be, "logits", &logits, &mut modified)?;
         inputs.verify(be, "live", &live, &mut modified)?;
         inputs.verify(be, "counts", &counts, &mut modified)?;
-        inputs.verify(be, "proposals", &proposals, &mut modified)?;
+        history.verify(&inputs, be, &mut modified)?;
         settings.verify(&inputs, be, &mut modified)?;
         Ok(CaseRun {
             outputs: vec![output(
@@ -952,7 +1126,7 @@ fn live_case(
         let starts = inputs.upload(be, "col_start", &col_start)?;
         let live = inputs.upload(be, "live", &d.live)?;
         let counts = inputs.upload(be, "counts", &d.counts)?;
-        let proposals = inputs.upload(be, "proposals", &d.proposals)?;
+        let history = CaseHistory::upload(&mut inputs, be, &d)?;
         let s = &d.settings;
         let settings = CaseSettings::upload(&mut inputs, be, s)?;
         let n = rows * cols * vocab;
@@ -965,7 +1139,7 @@ fn live_case(
             Columns::Starts(&starts),
             &live,
             &counts,
-            &proposals,
+            history.history(),
             &sampling,
             Outputs::Live {
                 p: &mut p,
@@ -986,7 +1160,7 @@ fn live_case(
         inputs.verify(be, "col_start", &starts, &mut modified)?;
         inputs.verify(be, "live", &live, &mut modified)?;
         inputs.verify(be, "counts", &counts, &mut modified)?;
-        inputs.verify(be, "proposals", &proposals, &mut modified)?;
+        history.verify(&inputs, be, &mut modified)?;
         settings.verify(&inputs, be, &mut modified)?;
         // The footprint: live columns write `greedy`; live sampled columns write their p row.
         let is_live = |rc: usize| (rc % cols) < d.live[rc / cols] as usize;
@@ -1242,6 +1416,59 @@ pub(crate) fn cases() -> Vec<Case> {
                 DType::BF16,
                 CaseLayout::Packed,
                 Data::Ties,
+            ),
+        ),
+        // Tree histories (DFlash2 tree verification): random trees whose siblings often share
+        // a token, penalties in every row, so that each column's history is its root path
+        // alone (CUDA: the one-thread walk in shared memory).
+        Case::new(
+            OP,
+            "rows8_cols32_v4096_tree_penalties_mixed",
+            case(8, 32, 4096, 4000, 25, tree_settings(), Data::Tree),
+        ),
+        Case::new(
+            OP,
+            "rows8_cols32_v4096_live_bf16_packed_tree_penalties_mixed",
+            live_case(
+                8,
+                32,
+                4096,
+                4000,
+                26,
+                tree_settings(),
+                DType::BF16,
+                CaseLayout::Packed,
+                Data::Tree,
+            ),
+        ),
+        Case::new(
+            OP,
+            "rows1_cols16_official_vocab_live_f32_packed_tree_filters_penalties",
+            live_case(
+                1,
+                16,
+                OFFICIAL_VOCAB,
+                OFFICIAL_PUBLIC,
+                27,
+                vec![tree_settings()[2]],
+                DType::F32,
+                CaseLayout::Packed,
+                Data::Tree,
+            ),
+        ),
+        Case::new(
+            OP,
+            "rows1_cols16_official_vocab_live_bf16_packed_tree_greedy_penalties",
+            live_case(
+                1,
+                16,
+                OFFICIAL_VOCAB,
+                OFFICIAL_PUBLIC,
+                28,
+                vec![tree_settings()[0]],
+                DType::BF16,
+                CaseLayout::Packed,
+                Data::Tree,
             ),
         ),
     ]

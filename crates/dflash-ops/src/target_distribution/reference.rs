@@ -216,6 +216,46 @@ impl HostLogits<'_> {
     }
 }
 
+/// Host view of the history (see [`super::History`]).
+pub(super) enum HostHistory<'a> {
+    /// `proposals: [rows, cols-1]`.
+    Chain(&'a [i32]),
+    /// `tokens, parents: [rows, cols-1]`.
+    Tree {
+        tokens: &'a [i32],
+        parents: &'a [i32],
+    },
+}
+
+impl HostHistory<'_> {
+    /// The nodes' tokens and their tensor name.
+    fn tokens(&self) -> (&[i32], &'static str) {
+        match self {
+            HostHistory::Chain(d) => (d, "proposals"),
+            HostHistory::Tree { tokens, .. } => (tokens, "tokens"),
+        }
+    }
+
+    /// Step 1's tokens of column `i` of row `r`: the tokens `x_j` of the nodes `j` on the root
+    /// path `i, par(i), ..` down to but excluding the anchor (a chain: `x_1 .. x_i`). Requires
+    /// validated parents (each an earlier node).
+    fn path(&self, r: usize, cols: usize, i: usize) -> Cow<'_, [i32]> {
+        let row = r * (cols - 1);
+        match self {
+            HostHistory::Chain(d) => Cow::Borrowed(&d[row..row + i]),
+            HostHistory::Tree { tokens, parents } => {
+                let mut path = Vec::new();
+                let mut j = i;
+                while j >= 1 {
+                    path.push(tokens[row + j - 1]);
+                    j = parents[row + j - 1] as usize;
+                }
+                Cow::Owned(path)
+            }
+        }
+    }
+}
+
 /// Host views of the outputs.
 pub(super) enum HostOutputs<'a> {
     Full(&'a mut [f32]),
@@ -230,7 +270,7 @@ pub(super) fn run(
     col_start: Option<&[i32]>,
     live: &[i32],
     counts: &[i32],
-    proposals: &[i32],
+    history: &HostHistory<'_>,
     s: &HostSampling<'_>,
     out: HostOutputs<'_>,
     params: &Params,
@@ -274,16 +314,24 @@ pub(super) fn run(
             }
         };
         first.push(start);
-        for j in 0..q as usize - 1 {
-            let idx = r * (cols - 1) + j;
-            let d = proposals[idx];
+        // The live nodes 1..q: their tokens and (a tree) their parents.
+        let (tokens, name) = history.tokens();
+        for j in 1..q as usize {
+            let idx = r * (cols - 1) + j - 1;
+            let d = tokens[idx];
             if !(d >= 0 && (d as usize) < vocab) {
-                return Err(bad(
-                    "proposals",
-                    idx,
-                    &format!("a token id in 0..{vocab}"),
-                    d,
-                ));
+                return Err(bad(name, idx, &format!("a token id in 0..{vocab}"), d));
+            }
+            if let HostHistory::Tree { parents, .. } = history {
+                let par = parents[idx];
+                if !(par >= 0 && (par as usize) < j) {
+                    return Err(bad(
+                        "parents",
+                        idx,
+                        &format!("the parent of node {j} (row {r}): an earlier node in 0..{j}"),
+                        par,
+                    ));
+                }
             }
         }
     }
@@ -295,11 +343,11 @@ pub(super) fn run(
     let processed = |r: usize, i: usize| {
         let base = (first[r] + i) * vocab;
         let col = logits.column(base, public_vocab);
-        let hist = &proposals[r * (cols - 1)..r * (cols - 1) + i];
+        let hist = history.path(r, cols, i);
         let z = processed_logits(
             &col,
             &counts[r * vocab..(r + 1) * vocab],
-            hist,
+            &hist,
             public_vocab,
             &settings[r],
         );

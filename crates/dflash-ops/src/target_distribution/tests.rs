@@ -582,7 +582,10 @@ struct Call<'a> {
     col_start: Option<&'a [i32]>,
     live: &'a [i32],
     counts: &'a [i32],
+    /// The nodes' tokens (a chain's proposals, a tree's tokens).
     proposals: &'a [i32],
+    /// `Some`: [`History::Tree`] with these parents; `None`: [`History::Chain`].
+    parents: Option<&'a [i32]>,
     settings: &'a [Settings],
     params: Params,
     /// Rows the p and greedy buffers hold (`>= params.rows`).
@@ -612,6 +615,14 @@ fn call(c: &Call<'_>) -> std::result::Result<(Vec<f32>, Vec<i32>), OpsError> {
     let lv = be.upload(c.live).expect("upload");
     let ct = be.upload(c.counts).expect("upload");
     let d = be.upload(c.proposals).expect("upload");
+    let par = be.upload(c.parents.unwrap_or(&[])).expect("upload");
+    let history = match c.parents {
+        Some(_) => History::Tree {
+            tokens: &d,
+            parents: &par,
+        },
+        None => History::Chain(&d),
+    };
     let s = SamplingBuffers::upload(&be, c.settings).expect("upload");
     let mut p = be
         .filled(c.out_rows * cols * vocab, f32::POISON)
@@ -631,7 +642,7 @@ fn call(c: &Call<'_>) -> std::result::Result<(Vec<f32>, Vec<i32>), OpsError> {
         columns,
         &lv,
         &ct,
-        &d,
+        history,
         &s.view(),
         out,
         &c.params,
@@ -669,6 +680,7 @@ fn full_call<'a>(d: &'a CaseData, params: Params) -> Call<'a> {
         live: &d.live,
         counts: &d.counts,
         proposals: &d.proposals,
+        parents: d.parents.as_deref(),
         settings: &d.settings,
         params,
         out_rows: params.rows,
@@ -977,4 +989,330 @@ proptest! {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tree histories.
+
+/// The parents that make a chain a tree: node `j`'s parent is `j - 1`.
+fn chain_parents(rows: usize, cols: usize) -> Vec<i32> {
+    (0..rows * (cols - 1))
+        .map(|x| (x % (cols - 1)) as i32)
+        .collect()
+}
+
+/// The tokens of column `i`'s root path (node `i` up to, excluding, the anchor), written
+/// independently of the reference.
+fn root_path_tokens(tokens: &[i32], parents: &[i32], i: usize) -> Vec<i32> {
+    let mut out = Vec::new();
+    let mut j = i;
+    while j != 0 {
+        out.push(tokens[j - 1]);
+        j = parents[j - 1] as usize;
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// A chain given as a tree (`parents[j-1] = j - 1`) gives the chain form's outputs bit for
+    /// bit, in every output form, dtype and layout, over the plain and the tie case data.
+    #[test]
+    fn tree_chain_given_as_a_tree_equals_the_chain_form(
+        vocab in 2usize..40,
+        cols in 1usize..9,
+        rows in 1usize..4,
+        seed in any::<u64>(),
+        s in settings_strategy(),
+        ties in any::<bool>(),
+        bf16 in any::<bool>(),
+        packed in any::<bool>(),
+        live_form in any::<bool>(),
+    ) {
+        let public = (vocab - vocab / 6).max(1);
+        let params = Params { rows, cols, vocab, public_vocab: public };
+        let settings = vec![s; rows];
+        let d = if ties {
+            tie_case_data(rows, cols, vocab, public, seed, &settings)
+        } else {
+            case_data(rows, cols, vocab, public, seed, &settings)
+        };
+        let (stored, starts) = stored_logits(
+            &d,
+            cols,
+            vocab,
+            if packed { CaseLayout::Packed } else { CaseLayout::Padded },
+        );
+        let chain = Call {
+            logits: &stored,
+            col_start: Some(&starts),
+            bf16,
+            live_form,
+            ..full_call(&d, params)
+        };
+        let parents = chain_parents(rows, cols);
+        let as_chain = call(&chain).expect("chain");
+        let as_tree = call(&Call { parents: Some(&parents), ..chain }).expect("tree");
+        prop_assert_eq!(bits(&as_chain.0), bits(&as_tree.0));
+        prop_assert_eq!(as_chain.1, as_tree.1);
+    }
+
+    /// Random trees: every live column matches the independent oracle with the counts of its
+    /// root path (the chain property test's oracle), dead columns are zero.
+    #[test]
+    fn tree_matches_an_independent_f64_oracle_on_root_paths(
+        vocab in 2usize..24,
+        cols in 1usize..9,
+        seed in any::<u64>(),
+        s in settings_strategy(),
+    ) {
+        let public = (vocab - vocab / 6).max(1);
+        let mut g = Gen::new(seed);
+        let logits: Vec<f32> = (0..cols * vocab).map(|_| g.unit() * 8.0 - 4.0).collect();
+        let counts: Vec<i32> = (0..vocab).map(|_| g.below(3) as i32).collect();
+        // Few distinct tokens, so that branches repeat each other's tokens.
+        let tokens: Vec<i32> = (0..cols - 1).map(|_| g.below(vocab.min(4)) as i32).collect();
+        let parents: Vec<i32> = (1..cols).map(|j| g.below(j) as i32).collect();
+        let live = [1 + g.below(cols) as i32];
+        let settings = [s];
+        let params = Params { rows: 1, cols, vocab, public_vocab: public };
+        let (p, _) = call(&Call {
+            logits: &logits,
+            bf16: false,
+            col_start: None,
+            live: &live,
+            counts: &counts,
+            proposals: &tokens,
+            parents: Some(&parents),
+            settings: &settings,
+            params,
+            out_rows: 1,
+            live_form: false,
+        })
+        .expect("run");
+        for i in 0..cols {
+            let col = &p[i * vocab..(i + 1) * vocab];
+            if i >= live[0] as usize {
+                prop_assert!(col.iter().all(|&x| x.to_bits() == 0), "dead column {}", i);
+                continue;
+            }
+            let mut c: Vec<i64> = counts.iter().map(|&x| i64::from(x)).collect();
+            for d in root_path_tokens(&tokens, &parents, i) {
+                c[d as usize] += 1;
+            }
+            let o = oracle(&logits[i * vocab..(i + 1) * vocab], &c, public, vocab, &s);
+            if o.margin < 1e-6 {
+                continue; // a boundary decision too close to call: skipped, not asserted
+            }
+            for v in 0..vocab {
+                prop_assert_eq!(col[v] == 0.0, o.p[v] == 0.0, "kept set, column {} token {}", i, v);
+                prop_assert!((f64::from(col[v]) - o.p[v]).abs() <= 1e-7 + 1e-6 * o.p[v],
+                    "column {} token {}: {} vs {}", i, v, col[v], o.p[v]);
+            }
+        }
+    }
+}
+
+/// The hand-computed tree of the tests below (6 nodes, vocabulary 4):
+///
+/// ```text
+///            0 (anchor)
+///          /   \
+///   1: tok 0    2: tok 0      siblings with the same token
+///      |           |
+///   3: tok 2    4: tok 1
+///                  |
+///               5: tok 0
+/// ```
+///
+/// Root paths: 1 {0}, 2 {0}, 3 {2, 0}, 4 {1, 0}, 5 {0, 1, 0}. Read as a chain the same
+/// tokens would give column 4 the history {0, 0, 2, 1}.
+const TREE_TOKENS: [i32; 5] = [0, 0, 2, 1, 0];
+const TREE_PARENTS: [i32; 5] = [0, 0, 1, 2, 4];
+
+fn tree_call<'a>(
+    logits: &'a [f32],
+    counts: &'a [i32],
+    settings: &'a [Settings],
+    parents: Option<&'a [i32]>,
+) -> Call<'a> {
+    Call {
+        logits,
+        bf16: false,
+        col_start: None,
+        live: &[6],
+        counts,
+        proposals: &TREE_TOKENS,
+        parents,
+        settings,
+        params: Params {
+            rows: 1,
+            cols: 6,
+            vocab: 4,
+            public_vocab: 4,
+        },
+        out_rows: 1,
+        live_form: false,
+    }
+}
+
+#[test]
+fn tree_history_is_the_root_path_and_never_a_sibling_branch() {
+    // Greedy with a repetition penalty of 2 on the logits [4, 3.9, 3, 1] of every column:
+    // a penalized positive logit is halved (4 -> 2, 3.9 -> 1.95, 3 -> 1.5). The argmax is 0
+    // unless 0 is penalized; then 1 (3.9) unless 1 is penalized too; then 2 (3) unless 2 is.
+    let s = [Settings {
+        repetition_penalty: 2.0,
+        ..Settings::GREEDY
+    }];
+    let logits: Vec<f32> = (0..6).flat_map(|_| [4.0, 3.9, 3.0, 1.0]).collect();
+    let counts = [0; 4];
+    let (p, _) = call(&tree_call(&logits, &counts, &s, Some(&TREE_PARENTS))).expect("tree");
+    let argmax = |p: &[f32], i: usize| {
+        let col = &p[i * 4..(i + 1) * 4];
+        assert_eq!(
+            col.iter().filter(|&&x| x == 1.0).count(),
+            1,
+            "one-hot {col:?}"
+        );
+        col.iter().position(|&x| x == 1.0).expect("one-hot")
+    };
+    // Column 0: no history. Columns 1, 2: {0}. Column 3: {2, 0} (token 1 of the sibling
+    // branch 2 -> 4 is not penalized). Column 4: {1, 0}: token 2 sits only in the branch
+    // 1 -> 3, so it keeps its 3.0 and wins over the halved 2.0 and 1.95. Column 5: {0, 1, 0}.
+    let want = [0, 1, 1, 1, 2, 2];
+    for (i, &w) in want.iter().enumerate() {
+        assert_eq!(argmax(&p, i), w, "column {i}");
+    }
+    // The same tokens read as a chain penalize token 2 at column 4 ({0, 0, 2, 1}): argmax 0
+    // (2.0 beats 1.95 and 1.5).
+    let (chain, _) = call(&tree_call(&logits, &counts, &s, None)).expect("chain");
+    assert_eq!(argmax(&chain, 4), 0, "the chain reading differs");
+
+    // Multiplicity along the path: T = 1, frequency penalty 1 on logits 0 gives z = -c, so
+    // p is proportional to exp(-c). Column 5 counts token 0 twice (nodes 5 and 2) and token
+    // 1 once (node 4), never token 2 (node 3, another branch); counts add the anchor's.
+    let s = [Settings {
+        frequency_penalty: 1.0,
+        ..Settings::sampling(1.0)
+    }];
+    let logits = [0.0f32; 24];
+    let counts = [0, 0, 0, 1];
+    let (p, _) = call(&tree_call(&logits, &counts, &s, Some(&TREE_PARENTS))).expect("tree");
+    for (i, c) in [
+        [0, 0, 0, 1],
+        [1, 0, 0, 1],
+        [1, 0, 0, 1],
+        [1, 0, 1, 1],
+        [1, 1, 0, 1],
+        [2, 1, 0, 1],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let e: Vec<f64> = c.iter().map(|&c| (-f64::from(c)).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        for v in 0..4 {
+            assert_eq!(p[i * 4 + v], (e[v] / sum) as f32, "column {i} token {v}");
+        }
+    }
+}
+
+#[test]
+fn tree_bad_parents_and_tokens_are_refused_with_nothing_written() {
+    let s = [Settings::sampling(1.0)];
+    let logits = [0.5f32; 24];
+    let counts = [0; 4];
+    let value = |e: OpsError| match e {
+        OpsError::Value { tensor, index, .. } => (tensor, index),
+        other => panic!("expected a Value error, got {other}"),
+    };
+    call(&tree_call(&logits, &counts, &s, Some(&TREE_PARENTS))).expect("valid");
+    // Node j's parent must be an earlier node, 0..j: itself, a later node, a negative one
+    // are refused (`call` checks that nothing was written).
+    for (node, par) in [(1, 1), (3, 3), (3, 4), (5, 5), (5, 6), (2, -1)] {
+        let mut parents = TREE_PARENTS;
+        parents[node - 1] = par;
+        let e =
+            call(&tree_call(&logits, &counts, &s, Some(&parents))).expect_err("bad parent refused");
+        assert_eq!(value(e), ("parents", node - 1), "node {node} parent {par}");
+    }
+    // A dead node's parent (and token) is not read.
+    let mut parents = TREE_PARENTS;
+    parents[4] = 9;
+    let mut tokens = TREE_TOKENS;
+    tokens[4] = -7;
+    call(&Call {
+        live: &[5],
+        proposals: &tokens,
+        ..tree_call(&logits, &counts, &s, Some(&parents))
+    })
+    .expect("dead node ignored");
+    // A live node's token out of range is refused under the tree's name.
+    let e = call(&Call {
+        proposals: &tokens,
+        ..tree_call(&logits, &counts, &s, Some(&TREE_PARENTS))
+    })
+    .expect_err("token");
+    assert_eq!(value(e), ("tokens", 4));
+    // Short parents.
+    let e = call(&tree_call(&logits, &counts, &s, Some(&TREE_PARENTS[..4])))
+        .expect_err("short parents");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "parents",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn tree_cases_share_sibling_tokens_and_differ_from_their_chain_reading() {
+    // The tree case data must exercise what the tree form changes: siblings with one token,
+    // and columns whose root-path history is not the prefix of the same tokens.
+    let (rows, cols, vocab, public) = (8, 32, 4096, 4000);
+    let d = tree_case_data(rows, cols, vocab, public, 25, &tree_settings());
+    let parents = d.parents.as_deref().expect("a tree");
+    let k = cols - 1;
+    let mut shared_siblings = 0;
+    for r in 0..rows {
+        let (tok, par) = (
+            &d.proposals[r * k..(r + 1) * k],
+            &parents[r * k..(r + 1) * k],
+        );
+        for a in 0..k {
+            assert!((0..=a as i32).contains(&par[a]), "parent of node {}", a + 1);
+            shared_siblings += (a + 1..k)
+                .filter(|&b| par[b] == par[a] && tok[b] == tok[a])
+                .count();
+        }
+    }
+    assert!(shared_siblings > 0, "no siblings share a token");
+    let params = Params {
+        rows,
+        cols,
+        vocab,
+        public_vocab: public,
+    };
+    let tree = call(&full_call(&d, params)).expect("tree");
+    let chain = call(&Call {
+        parents: None,
+        ..full_call(&d, params)
+    })
+    .expect("chain");
+    let differ = (0..rows * cols)
+        .filter(|&rc| {
+            let row = rc * vocab..(rc + 1) * vocab;
+            bits(&tree.0[row.clone()]) != bits(&chain.0[row])
+        })
+        .count();
+    assert!(
+        differ > 0,
+        "every column reads its tree history as the chain prefix"
+    );
 }
