@@ -15,6 +15,7 @@ use dflash_ops::{
 };
 
 use crate::target::{HeadShape, TargetParts};
+use crate::tree::{LatticeScratch, RowLattice};
 use crate::weights::{BindOptions, Checkpoint, DraftWeights, LayerWeights};
 use crate::{DraftError, Result};
 
@@ -799,6 +800,15 @@ impl DraftModel {
     }
 }
 
+/// The error of a lattice readback from a DFlash workspace or model.
+fn no_lattice() -> DraftError {
+    DraftError::invalid(
+        "workspace",
+        "a DFlash2 workspace and model (a selector lattice)",
+        "DFlash (no lattice)",
+    )
+}
+
 /// The error of a DFlash2 layer run with a workspace that has no convolution scratch.
 fn no_conv_scratch() -> DraftError {
     DraftError::invalid(
@@ -1399,6 +1409,138 @@ impl Workspace {
                 q: slice(&q, r),
             })
             .collect())
+    }
+
+    /// The device scratch [`Workspace::read_lattice`] gathers codebook rows into, for this
+    /// workspace's rows, K and selector rank ([`LatticeScratch::bytes_for`] bytes). Refused
+    /// for a DFlash workspace (no lattice).
+    pub fn lattice_scratch(&self) -> Result<LatticeScratch> {
+        if self.selector.is_none() {
+            return Err(no_lattice());
+        }
+        LatticeScratch::new(&self.be, self.rows, self.k, self.lens.rank)
+    }
+
+    /// What the staged requests' DFlash2 trees need ([`crate::tree::build`]), one
+    /// [`RowLattice`] per staged request (the padding rows of a graph profile are never
+    /// reported): the chain (proposals, chosen ranks, q, candidate ids), unary scores, g and
+    /// the codebook rows a tree can read, gathered on the backend into `scratch`: `W_pred` of
+    /// the anchor and of the candidates of columns `0..K-1`, `W_succ` of every candidate.
+    ///
+    /// Device work, queued after the block: two strided copies (the predecessor ids:
+    /// anchor, then the candidates of columns `0..K-1` per row) and two `embedding_gather`s
+    /// (one per codebook); then every read is queued (the codebook rows last) and waited for
+    /// together: one synchronize on CUDA. A read that does not fit the backend's pinned
+    /// readback block (1 MiB; the official B = 8, K = 15, R = 256 round needs 1.0 MB before
+    /// the 0.98 MB of successor rows) is made at once, one synchronize each, the reads queued
+    /// before it landing with it. Nothing is allocated but the host vectors.
+    ///
+    /// Refused: a DFlash workspace or model, a scratch planned for another workspace shape,
+    /// and an anchor or candidate id outside the codebooks' `0..vocab` (which a device gather
+    /// would have read as zeros).
+    pub fn read_lattice(
+        &self,
+        model: &DraftModel,
+        scratch: &mut LatticeScratch,
+    ) -> Result<Vec<RowLattice>> {
+        self.check_model(model)?;
+        let (Some(sel), Some(sw)) = (&self.selector, &model.weights.selector) else {
+            return Err(no_lattice());
+        };
+        let (n, k, rank) = (self.staged.len(), self.k, self.lens.rank);
+        if (scratch.k, scratch.rank) != (k, rank) || scratch.rows < n {
+            return Err(DraftError::invalid(
+                "lattice scratch",
+                format!("K = {k}, R = {rank}, at least {n} rows (Workspace::lattice_scratch)"),
+                format!(
+                    "K = {}, R = {}, {} rows",
+                    scratch.k, scratch.rank, scratch.rows
+                ),
+            ));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let be = &self.be;
+        let vocab = model.geometry.vocab_rows as usize;
+        let (kk, preds) = (k * TOP_K, scratch.preds_per_request());
+        let gather = embedding_gather::EmbeddingGatherParams {
+            vocab,
+            hidden: rank,
+        };
+        // Predecessor ids [n, preds]: the anchor, then the candidates of columns 0..K-1.
+        scratch.ids.set_len(n * preds)?;
+        be.copy_rows(&self.anchors, 0, 1, &mut scratch.ids, 0, preds, 1, n)?;
+        if k > 1 {
+            be.copy_rows(
+                &sel.candidates,
+                0,
+                kk,
+                &mut scratch.ids,
+                1,
+                preds,
+                preds - 1,
+                n,
+            )?;
+        }
+        scratch.pred.set_len(n * preds * rank)?;
+        embedding_gather::run(
+            be,
+            &scratch.ids,
+            &sw.predecessor,
+            &mut scratch.pred,
+            &gather,
+        )?;
+        scratch.succ.set_len(n * kk * rank)?;
+        let cand = sel.candidates.view(0, n * kk)?;
+        embedding_gather::run(be, &cand, &sw.successor, &mut scratch.succ, &gather)?;
+
+        // Small reads first, so they share the readback block; the codebook rows last.
+        let anchors = be.read_async(&self.anchors, 0, n)?;
+        let props = be.read_async(&self.proposals, 0, n * k)?;
+        let chosen = be.read_async(&sel.chosen, 0, n * k)?;
+        let q = be.read_async(&sel.q, 0, n * kk)?;
+        let cands = be.read_async(&sel.candidates, 0, n * kk)?;
+        let unary = be.read_async(&sel.unary, 0, n * kk)?;
+        let g = be.read_async(&sel.g, 0, n * k * rank)?;
+        let pred = be.read_async(&scratch.pred, 0, n * preds * rank)?;
+        let succ = be.read_async(&scratch.succ, 0, n * kk * rank)?;
+        let (anchors, props, chosen, q) =
+            (anchors.wait()?, props.wait()?, chosen.wait()?, q.wait()?);
+        let (cands, unary, g) = (cands.wait()?, unary.wait()?, g.wait()?);
+        let (pred, succ) = (pred.wait()?, succ.wait()?);
+
+        let in_vocab = |x: i32| usize::try_from(x).is_ok_and(|x| x < vocab);
+        let mut out = Vec::with_capacity(n);
+        for (r, &usable) in self.staged.iter().enumerate() {
+            let row_err = |field: &'static str, found: i32| DraftError::Row {
+                row: r,
+                field,
+                expected: format!("an id in 0..{vocab} (the selector codebooks' rows)"),
+                found: found.to_string(),
+            };
+            if !in_vocab(anchors[r]) {
+                return Err(row_err("anchor", anchors[r]));
+            }
+            let cand = &cands[r * kk..][..kk];
+            if let Some(&bad) = cand.iter().find(|&&x| !in_vocab(x)) {
+                return Err(row_err("candidate id", bad));
+            }
+            out.push(RowLattice {
+                anchor: anchors[r] as u32,
+                usable,
+                rank,
+                proposals: props[r * k..][..k].to_vec(),
+                chosen: chosen[r * k..][..k].to_vec(),
+                q: q[r * kk..][..kk].to_vec(),
+                candidate_ids: cand.to_vec(),
+                unary: unary[r * kk..][..kk].to_vec(),
+                g: g[r * k * rank..][..k * rank].to_vec(),
+                pred_rows: pred[r * preds * rank..][..preds * rank].to_vec(),
+                succ_rows: succ[r * kk * rank..][..kk * rank].to_vec(),
+            });
+        }
+        Ok(out)
     }
 
     /// The final-normed mask hidden of the staged requests, `[staged rows, K, H]` widened to

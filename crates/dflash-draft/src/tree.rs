@@ -61,6 +61,16 @@
 //! [`DraftTree::accept_layout`] gives `tree_accept`'s row layout. For a chain-only tree
 //! (`N = K + 1`) the layout is exactly `candidate_selector`'s proposals, cand ids and q.
 //!
+//! 4. Depth truncation ([`DraftTree::truncated`]): a row that can verify only `P < K`
+//!    proposals keeps the nodes of depth `<= P` (the spine's `0..=P` among them). Which nodes
+//!    go is a function of the shape alone and a kept node keeps all its children or none,
+//!    so (a) and (b) above still hold: the truncated tree is as lossless as the full one.
+//!
+//! Edge scores of an engine round: [`Workspace::read_lattice`](crate::Workspace) reads back
+//! each staged request's chain, g, unary scores and only the codebook rows a tree can read
+//! (gathered on the backend), as a [`RowLattice`]; its [`GatheredLattice`] gives exactly
+//! [`HostLattice`]'s scores (the same `edge_row` over the same row values).
+//!
 //! Errors ([`DraftError::Invalid`], naming the field): N out of range, chain lengths that
 //! disagree with K, a NaN temperature, a chosen rank outside `0..16`, a proposal that is not
 //! `C_i[j_i]`, a negative or repeated candidate id, a non-finite or negative `q_chain` entry,
@@ -69,9 +79,9 @@
 
 use std::cmp::Ordering;
 
-use dflash_ops::bf16;
 use dflash_ops::candidate_selector::{self, TOP_K};
 use dflash_ops::rng::{self, Purpose};
+use dflash_ops::{Backend, Buffer, bf16};
 
 use crate::{DraftError, Result};
 
@@ -183,6 +193,261 @@ impl EdgeScores for HostLattice<'_> {
     }
 }
 
+/// The codebook rows one request's tree can read, in the order [`GatheredLattice`] takes
+/// them: `K * 16 + 1` ids as predecessors (the anchor, then the candidates of columns
+/// `0..K-1`: a node of depth d holds the anchor (d = 0) or a candidate of column d - 1, and
+/// depth-K nodes are never predecessors) and `K * 16` as successors (every candidate).
+const fn pred_rows_per_request(k: usize) -> usize {
+    1 + (k - 1) * TOP_K
+}
+
+/// Edge scores over gathered codebook rows (one request): exactly [`HostLattice`]'s (and so
+/// `candidate_selector`'s), computed by [`candidate_selector::edge_row`] over a two-part
+/// table of the rows it reads, for every predecessor the lattice has a row for: the anchor
+/// and the candidate ids of columns `0..K-1` (any column). Another predecessor is refused
+/// ([`DraftError::Invalid`], `lattice predecessor`).
+#[derive(Clone, Debug)]
+pub struct GatheredLattice<'a> {
+    k: usize,
+    rank: usize,
+    anchor: u32,
+    g: &'a [bf16],
+    unary: &'a [f32],
+    cand: &'a [i32],
+    pred_rows: &'a [bf16],
+    succ_rows: &'a [bf16],
+    /// `[17, R]`: the predecessor's row, then the column's 16 successor rows.
+    table: Vec<bf16>,
+}
+
+/// The local ids of a column's 16 successors in [`GatheredLattice`]'s table (row 0 is the
+/// predecessor).
+const LOCAL_SUCC: [i32; TOP_K] = {
+    let mut ids = [0i32; TOP_K];
+    let mut c = 0;
+    while c < TOP_K {
+        ids[c] = c as i32 + 1;
+        c += 1;
+    }
+    ids
+};
+
+impl<'a> GatheredLattice<'a> {
+    /// A lattice of K columns with selector rank R: `g [K, R]` BF16, `unary` and `cand`
+    /// `[K, 16]`, `pred_rows [1 + (K-1) * 16, R]` (W_pred of the anchor, then of
+    /// `cand[0..K-1]` in order) and `succ_rows [K * 16, R]` (W_succ of `cand` in order).
+    /// Checks every length, `K, R >= 1` and that no candidate id is negative (the rows'
+    /// ids themselves are the caller's: [`Workspace::read_lattice`](crate::Workspace) gathers
+    /// them).
+    #[allow(clippy::too_many_arguments)] // reason: the lattice's tensors, each named
+    pub fn new(
+        k: usize,
+        rank: usize,
+        anchor: u32,
+        g: &'a [bf16],
+        unary: &'a [f32],
+        cand: &'a [i32],
+        pred_rows: &'a [bf16],
+        succ_rows: &'a [bf16],
+    ) -> Result<Self> {
+        let len = |what: &str, expected: String, found: usize| {
+            DraftError::invalid(format!("lattice.{what}.len()"), expected, found)
+        };
+        if k == 0 {
+            return Err(DraftError::invalid("lattice.k", ">= 1", k));
+        }
+        if rank == 0 {
+            return Err(DraftError::invalid("lattice.rank", ">= 1", rank));
+        }
+        if Some(g.len()) != k.checked_mul(rank) {
+            return Err(len("g", format!("K * R = {k} * {rank}"), g.len()));
+        }
+        for (what, n) in [("unary", unary.len()), ("cand", cand.len())] {
+            if n != k * TOP_K {
+                return Err(len(what, format!("K * 16 = {}", k * TOP_K), n));
+            }
+        }
+        let preds = pred_rows_per_request(k);
+        if Some(pred_rows.len()) != preds.checked_mul(rank) {
+            let expected = format!("(1 + (K - 1) * 16) * R = {preds} * {rank}");
+            return Err(len("pred_rows", expected, pred_rows.len()));
+        }
+        if Some(succ_rows.len()) != (k * TOP_K).checked_mul(rank) {
+            let expected = format!("K * 16 * R = {} * {rank}", k * TOP_K);
+            return Err(len("succ_rows", expected, succ_rows.len()));
+        }
+        if let Some(i) = cand.iter().position(|&x| x < 0) {
+            return Err(DraftError::invalid(
+                format!("lattice.cand[{}][{}]", i / TOP_K, i % TOP_K),
+                "a non-negative id",
+                cand[i],
+            ));
+        }
+        Ok(GatheredLattice {
+            k,
+            rank,
+            anchor,
+            g,
+            unary,
+            cand,
+            pred_rows,
+            succ_rows,
+            table: vec![bf16::ZERO; (1 + TOP_K) * rank],
+        })
+    }
+
+    /// The candidate ids `[K, 16]` (pass the same to [`Chain::cand_ids`]).
+    pub fn cand_ids(&self) -> &'a [i32] {
+        self.cand
+    }
+
+    /// The predecessors the lattice has a row for: the anchor, then the candidate ids of
+    /// columns `0..K-1` (repeats included), in `pred_rows` order.
+    pub fn predecessors(&self) -> impl Iterator<Item = u32> + '_ {
+        let preds = &self.cand[..(self.k - 1) * TOP_K];
+        std::iter::once(self.anchor).chain(preds.iter().map(|&id| id as u32))
+    }
+}
+
+impl EdgeScores for GatheredLattice<'_> {
+    fn row(&mut self, column: usize, pred: u32) -> Result<[f32; TOP_K]> {
+        if column >= self.k {
+            let expected = format!("a column in 0..{}", self.k);
+            return Err(DraftError::invalid("lattice column", expected, column));
+        }
+        // Equal ids have equal codebook rows: any gathered row of `pred` is its row.
+        let Some(at) = self.predecessors().position(|p| p == pred) else {
+            let expected = "the anchor or a candidate id of columns 0..K-1 (a gathered row)";
+            return Err(DraftError::invalid("lattice predecessor", expected, pred));
+        };
+        let r = self.rank;
+        let (head, succ) = self.table.split_at_mut(r);
+        head.copy_from_slice(&self.pred_rows[at * r..][..r]);
+        succ.copy_from_slice(&self.succ_rows[column * TOP_K * r..][..TOP_K * r]);
+        let cells = column * TOP_K..(column + 1) * TOP_K;
+        // The selector's inputs over the table: predecessor id 0, successor ids 1..=16 (the
+        // rows `edge_row` reads are the same values as in the full codebooks).
+        Ok(candidate_selector::edge_row(
+            &self.g[column * r..][..r],
+            &self.table,
+            &self.table,
+            0,
+            &LOCAL_SUCC,
+            &self.unary[cells],
+        )?)
+    }
+}
+
+/// One staged request's tree inputs, read back by
+/// [`Workspace::read_lattice`](crate::Workspace): its chain, lattice and gathered codebook
+/// rows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowLattice {
+    /// The anchor a.
+    pub anchor: u32,
+    /// P (from the request).
+    pub usable: usize,
+    /// Selector rank R.
+    pub rank: usize,
+    /// Proposals `[K]`.
+    pub proposals: Vec<i32>,
+    /// Chosen ranks `[K]`.
+    pub chosen: Vec<i32>,
+    /// The proposals' distributions `[K, 16]`.
+    pub q: Vec<f32>,
+    /// Candidate ids `[K, 16]`.
+    pub candidate_ids: Vec<i32>,
+    /// Unary scores `[K, 16]`.
+    pub unary: Vec<f32>,
+    /// Projected hidden g `[K, R]`.
+    pub g: Vec<bf16>,
+    /// `W_pred` rows `[1 + (K-1) * 16, R]`: the anchor's, then those of the candidates of
+    /// columns `0..K-1`.
+    pub pred_rows: Vec<bf16>,
+    /// `W_succ` rows `[K * 16, R]`: those of every candidate.
+    pub succ_rows: Vec<bf16>,
+}
+
+impl RowLattice {
+    /// The chain ([`build`]'s input).
+    pub fn chain(&self) -> Chain<'_> {
+        Chain {
+            anchor: self.anchor,
+            proposals: &self.proposals,
+            chosen: &self.chosen,
+            q: &self.q,
+            cand_ids: &self.candidate_ids,
+        }
+    }
+
+    /// The edge scores over the gathered rows.
+    pub fn lattice(&self) -> Result<GatheredLattice<'_>> {
+        GatheredLattice::new(
+            self.proposals.len(),
+            self.rank,
+            self.anchor,
+            &self.g,
+            &self.unary,
+            &self.candidate_ids,
+            &self.pred_rows,
+            &self.succ_rows,
+        )
+    }
+
+    /// This request's tree: [`build`] over [`RowLattice::chain`] and
+    /// [`RowLattice::lattice`].
+    pub fn build(&self, opts: &TreeOptions) -> Result<DraftTree> {
+        build(&self.chain(), &mut self.lattice()?, opts)
+    }
+}
+
+/// Device scratch of [`Workspace::read_lattice`](crate::Workspace): the predecessor ids and
+/// the gathered codebook rows of up to the workspace's rows (allocated once by
+/// [`Workspace::lattice_scratch`](crate::Workspace); [`LatticeScratch::bytes_for`] plans
+/// it).
+#[derive(Debug)]
+pub struct LatticeScratch {
+    pub(crate) rows: usize,
+    pub(crate) k: usize,
+    pub(crate) rank: usize,
+    /// Predecessor ids `[rows, 1 + (K-1) * 16]` I32.
+    pub(crate) ids: Buffer<i32>,
+    /// Gathered `W_pred` rows `[rows, 1 + (K-1) * 16, R]` BF16.
+    pub(crate) pred: Buffer<bf16>,
+    /// Gathered `W_succ` rows `[rows, K * 16, R]` BF16.
+    pub(crate) succ: Buffer<bf16>,
+}
+
+impl LatticeScratch {
+    /// Bytes of the scratch for `rows` requests, K and R (what [`LatticeScratch::bytes`]
+    /// gives once allocated).
+    pub fn bytes_for(rows: usize, k: usize, rank: usize) -> u64 {
+        let (preds, succs) = (rows * pred_rows_per_request(k.max(1)), rows * k * TOP_K);
+        (4 * preds + 2 * (preds + succs) * rank) as u64
+    }
+
+    /// Bytes allocated (the buffers' capacities).
+    pub fn bytes(&self) -> u64 {
+        (4 * self.ids.capacity() + 2 * (self.pred.capacity() + self.succ.capacity())) as u64
+    }
+
+    pub(crate) fn new(be: &Backend, rows: usize, k: usize, rank: usize) -> Result<Self> {
+        let preds = rows * pred_rows_per_request(k);
+        Ok(LatticeScratch {
+            rows,
+            k,
+            rank,
+            ids: be.zeros(preds)?,
+            pred: be.zeros(preds * rank)?,
+            succ: be.zeros(rows * k * TOP_K * rank)?,
+        })
+    }
+
+    pub(crate) fn preds_per_request(&self) -> usize {
+        pred_rows_per_request(self.k)
+    }
+}
+
 /// One request's chain, as `candidate_selector` wrote it (one row of its outputs).
 #[derive(Clone, Copy, Debug)]
 pub struct Chain<'a> {
@@ -284,6 +549,51 @@ impl DraftTree {
             parents: self.parents.iter().map(|&p| p as i32).collect(),
             ids: self.child_ids[..rows].concat(),
             q: self.child_q[..rows].concat(),
+        }
+    }
+
+    /// The tree without its nodes deeper than `max_depth` (a row that can verify only P < K
+    /// proposals: `truncated(P)`): the kept nodes in their order, renumbered, parents
+    /// remapped, ancestors recomputed; tokens, depths, sibling indices, ranks and every kept
+    /// node's `child_ids` / `child_q` unchanged (a node at depth `max_depth` keeps its
+    /// distribution, though its children are gone). `max_depth >= K` gives the tree itself.
+    ///
+    /// Still lossless with `tree_accept`: which nodes go depends on their depths alone (the
+    /// shape, fixed before any draw), and a kept node keeps either all its children (depth
+    /// `< max_depth`) or none (depth `max_depth`), in their draw order. So (a) and (b) of the
+    /// module contract hold for the truncated tree: every node's children are still the
+    /// first of its successive draws, their number independent of any draw's outcome.
+    pub fn truncated(&self, max_depth: usize) -> DraftTree {
+        let n = self.tokens.len();
+        let keep: Vec<usize> = (0..n)
+            .filter(|&m| self.depth[m] as usize <= max_depth)
+            .collect();
+        if keep.len() == n {
+            return self.clone();
+        }
+        // Depth is monotone along a path, so every kept node's parent is kept, and precedes it.
+        let mut index = vec![u32::MAX; n];
+        for (new, &m) in keep.iter().enumerate() {
+            index[m] = new as u32;
+        }
+        let parents: Vec<u32> = keep[1..]
+            .iter()
+            .map(|&m| index[self.parents[m - 1] as usize])
+            .collect();
+        let mut ancestors = Vec::with_capacity(keep.len());
+        ancestors.push(1u32);
+        for (i, &p) in parents.iter().enumerate() {
+            ancestors.push(ancestors[p as usize] | 1 << (i + 1));
+        }
+        DraftTree {
+            tokens: keep.iter().map(|&m| self.tokens[m]).collect(),
+            parents,
+            depth: keep.iter().map(|&m| self.depth[m]).collect(),
+            sibling: keep.iter().map(|&m| self.sibling[m]).collect(),
+            ancestors,
+            child_ids: keep.iter().map(|&m| self.child_ids[m]).collect(),
+            child_q: keep.iter().map(|&m| self.child_q[m]).collect(),
+            rank: keep.iter().map(|&m| self.rank[m]).collect(),
         }
     }
 }
@@ -666,6 +976,67 @@ fn plan<L: EdgeScores + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A hand-made tree of depth 3: 0 -> 1 -> 2 -> 3 (the spine), 0 -> 4 -> 5, 4 -> 6.
+    fn hand_tree() -> DraftTree {
+        let ids = |n: i32| std::array::from_fn(|c| 100 * n + c as i32);
+        let q = |n: usize| std::array::from_fn(|c| if c == n { 1.0 } else { 0.0 });
+        DraftTree {
+            tokens: vec![7, 1, 2, 3, 10, 11, 20],
+            parents: vec![0, 1, 2, 0, 4, 4],
+            depth: vec![0, 1, 2, 3, 1, 2, 2],
+            sibling: vec![0, 0, 0, 0, 1, 0, 1],
+            ancestors: vec![0b1, 0b11, 0b111, 0b1111, 0b1_0001, 0b11_0001, 0b101_0001],
+            child_ids: (0..7).map(ids).collect(),
+            child_q: (0..7).map(q).collect(),
+            rank: vec![0, 3, 4, 5, 6, 7, 8],
+        }
+    }
+
+    #[test]
+    fn tree_truncated_renumbers_and_recomputes_ancestors() {
+        let t = hand_tree();
+        assert_eq!(t.truncated(3), t);
+        assert_eq!(t.truncated(9), t);
+        // Depth <= 2: nodes 0, 1, 2, 4, 5, 6 become 0..6; node 6 (old) had parent 4 (old 4 ->
+        // new 3).
+        let t2 = t.truncated(2);
+        assert_eq!(t2.tokens, [7, 1, 2, 10, 11, 20]);
+        assert_eq!(t2.parents, [0, 1, 0, 3, 3]);
+        assert_eq!(t2.depth, [0, 1, 2, 1, 2, 2]);
+        assert_eq!(t2.sibling, [0, 0, 0, 1, 0, 1]);
+        assert_eq!(t2.rank, [0, 3, 4, 6, 7, 8]);
+        assert_eq!(
+            t2.ancestors,
+            [0b1, 0b11, 0b111, 0b1001, 0b1_1001, 0b10_1001]
+        );
+        assert_eq!(t2.child_ids[3], t.child_ids[4], "child ids kept");
+        assert_eq!(t2.child_q[5], t.child_q[6], "child q kept");
+        let t1 = t.truncated(1);
+        assert_eq!(t1.tokens, [7, 1, 10]);
+        assert_eq!(t1.parents, [0, 0]);
+        assert_eq!(t1.ancestors, [0b1, 0b11, 0b101]);
+        assert_eq!(t1.children(0).collect::<Vec<_>>(), [1, 2]);
+        let t0 = t.truncated(0);
+        assert_eq!(t0.tokens, [7]);
+        assert!(t0.parents.is_empty());
+        assert_eq!(t0.ancestors, [1]);
+        assert_eq!(t0.accept_layout().tokens, Vec::<i32>::new());
+    }
+
+    #[test]
+    fn tree_truncated_is_idempotent_and_composes() {
+        let t = hand_tree();
+        for a in 0..4 {
+            for b in 0..4 {
+                assert_eq!(
+                    t.truncated(a).truncated(b),
+                    t.truncated(a.min(b)),
+                    "{a} {b}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn tree_draw_skips_drawn_and_massless_ranks() {
