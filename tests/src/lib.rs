@@ -55,6 +55,23 @@ pub fn draft_engine(
     )?)
 }
 
+/// A DFlash2 draft engine on the CPU over the fixture verifying trees of `nodes` nodes
+/// (`startup.tree_nodes`; `None`: chain rounds).
+pub fn tree_draft_engine(
+    fx: &Fixture,
+    k: u32,
+    b: u32,
+    nodes: Option<u32>,
+    max_context: usize,
+) -> Result<Engine<ReferenceTarget, DraftProposer<'static>>, dflash_cli::HarnessError> {
+    let be = Backend::cpu();
+    let model: DraftModel = fx.draft(&be)?;
+    let parts = fx.parts(&be)?;
+    let mut o = options(fx.backend(), k, b, max_context);
+    o.startup.tree_nodes = nodes;
+    Ok(Engine::with_draft(fx.target()?, model, parts, &o)?)
+}
+
 /// A shadow-proposer engine on the CPU over the fixture.
 pub fn shadow_engine(
     fx: &Fixture,

@@ -23,7 +23,9 @@ use std::collections::HashMap;
 
 use dflash_cli::{Fixture, demo_prompts};
 use dflash_config::Backend as DraftBackend;
-use dflash_e2e::{Strategy, draft_engine, misreporting_draft_engine, shadow_engine};
+use dflash_e2e::{
+    Strategy, draft_engine, misreporting_draft_engine, shadow_engine, tree_draft_engine,
+};
 use dflash_engine::{
     Commit, Engine, Event, Proposer, Request, SamplingSettings, Target, VerifyBatch, VerifyRow,
     plain_decode,
@@ -290,6 +292,25 @@ fn dflash_speculative_sampling_matches_plain_sampling() {
 #[test]
 fn dflash2_speculative_sampling_matches_plain_sampling() {
     speculative_sampling_matches(DraftBackend::DFlash2);
+}
+
+/// DFlash2 tree rounds (16 nodes, K = 4: side children below the chain, drawn without
+/// replacement, tested by recursive rejection sampling) keep the target's distribution, and
+/// accept at least as much per row-round as the chain on the same requests.
+#[test]
+fn tree_dflash2_speculative_sampling_matches_plain_sampling() {
+    let fx = Fixture::write(DraftBackend::DFlash2).expect("fixture");
+    let su = drafts_setup();
+    let ex = exact(&su, &mut fx.target().expect("target"));
+    let mut engine = tree_draft_engine(&fx, K, 8, Some(16), 64).expect("engine");
+    let samples = engine_samples(&su, &mut engine);
+    let (chi, t) = check(&su, "DFlash2 tree", &samples, &ex);
+    assert!(chi < t, "DFlash2 tree: chi2 {chi:.1} >= threshold {t:.1}");
+    let m = mean_accepted(&engine);
+    assert!(
+        m >= 1.0,
+        "DFlash2 tree: mean accepted per row-round {m:.2} < 1"
+    );
 }
 
 /// The trained DFlash2 draft reporting a uniform q instead of its retained q (its proposals

@@ -35,6 +35,9 @@ pub struct Args {
     pub k: u32,
     /// `--b`, 1..=8.
     pub b: u32,
+    /// `--draft-tree-nodes N`: DFlash2 tree verification with N nodes a request (K+1..=32,
+    /// checked against K and the backend by [`plan`]); `None`: chain rounds.
+    pub tree_nodes: Option<u32>,
     /// `--temperature`, finite and >= 0.
     pub temperature: f32,
     /// `--seed`.
@@ -75,6 +78,7 @@ impl Default for Args {
             backend: None,
             k: 7,
             b: 4,
+            tree_nodes: None,
             temperature: 0.0,
             seed: 1,
             prompts: None,
@@ -95,7 +99,7 @@ impl Default for Args {
 }
 
 /// Usage text.
-pub const USAGE: &str = "usage: dflash [--backend dflash|dflash2] [--k N] [--b N] [--temperature T] \
+pub const USAGE: &str = "usage: dflash [--backend dflash|dflash2] [--k N] [--b N] [--draft-tree-nodes N] [--temperature T] \
 [--seed S] [--prompts N] [--prompt TEXT]... [--max-new N] [--device cpu|cuda] [--oracle RHO] \
 [--random-draft] [--quiet] [--geometry] [--draft-config FILE] [--mask-token-id N] [--strict] [--eager]";
 
@@ -153,6 +157,10 @@ pub fn parse_args(args: &[String]) -> Result<Args> {
                 if !(1..=MAX_CONCURRENCY).contains(&a.b) {
                     return Err(flag_error(flag, range, a.b.to_string()));
                 }
+            }
+            "--draft-tree-nodes" => {
+                let what = "an integer (the tree's nodes a request, K+1..=32, DFlash2)";
+                a.tree_nodes = Some(number(flag, value()?, what)?);
             }
             "--temperature" => {
                 let t: f32 = number(flag, value()?, TEMPERATURE_RULE)?;
@@ -250,6 +258,7 @@ fn startup_error(e: dflash_config::ConfigError, config: &std::path::Path) -> Har
         "startup.backend" => "--backend",
         "startup.draft_count" => "--k",
         "startup.concurrency" => "--b",
+        "startup.tree_nodes" => "--draft-tree-nodes",
         "startup.mask_token_id" => "--mask-token-id",
         _ => return HarnessError::Draft(dflash_draft::DraftError::Config(e)),
     };
@@ -261,6 +270,13 @@ fn startup_error(e: dflash_config::ConfigError, config: &std::path::Path) -> Har
 /// default of `--backend`), parsed in `--strict` or lenient mode and validated against the
 /// reference target, and the startup options (backend, K, B, mask token) against it.
 pub fn plan(args: &Args) -> Result<RunPlan> {
+    if let (Some(n), Some(_)) = (args.tree_nodes, args.oracle) {
+        return Err(flag_error(
+            "--draft-tree-nodes",
+            "no --oracle with it (the oracle proposer drafts chains only)",
+            n.to_string(),
+        ));
+    }
     let mut prompts = Vec::new();
     for t in &args.prompt_texts {
         if t.is_empty() || t.len() > MAX_PROMPT_TOKENS {
@@ -292,6 +308,7 @@ pub fn plan(args: &Args) -> Result<RunPlan> {
     let options = StartupOptions {
         concurrency: args.b,
         mask_token_id: args.mask_token_id,
+        tree_nodes: args.tree_nodes,
         ..StartupOptions::new(args.backend.unwrap_or(draft.backend), args.k)
     };
     let startup = options

@@ -484,6 +484,8 @@ fn list(tokens: &[u32]) -> String {
 /// The trace line of one row of a round:
 /// `r<id> F=<frontier> ctx=<materialized>+<pending> P=<P> d=[..] A=<A> L=<L> N=<N> out=[..]`
 /// (`ctx` is the draft coverage before materialize; ` end=<reason>` when the request ended).
+/// A tree round (`--draft-tree-nodes`) lists every node's token in `d` (`P` counts them) and
+/// adds ` path=[0 v_1 .. v_A]`, the accepted nodes.
 pub fn format_row(r: &RowReport) -> String {
     let mut s = format!(
         "{} F={} ctx={}+{} P={} d={} A={} L={} N={} out={}",
@@ -498,6 +500,10 @@ pub fn format_row(r: &RowReport) -> String {
         r.committed,
         list(&r.licensed[..r.committed]),
     );
+    if !r.tree_path.is_empty() {
+        let path: Vec<u32> = r.tree_path.iter().map(|&v| v as u32).collect();
+        s.push_str(&format!(" path={}", list(&path)));
+    }
     if let Some(f) = r.finish {
         s.push_str(&format!(" end={f}"));
     }
@@ -541,6 +547,7 @@ mod tests {
             },
             anchor: 7,
             proposed: vec![4, 5, 6],
+            tree_path: Vec::new(),
             accepted: 1,
             licensed: vec![4, 8],
             committed: 2,

@@ -285,6 +285,7 @@ the trained draft runs",
         startup: dflash_config::StartupOptions {
             concurrency: args.b,
             mask_token_id: Some(plan.startup.mask_token_id),
+            tree_nodes: args.tree_nodes,
             ..dflash_config::StartupOptions::new(draft_backend, args.k)
         },
         max_context,

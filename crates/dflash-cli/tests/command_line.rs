@@ -128,6 +128,29 @@ fn bad_command_lines_and_files_are_refused_before_anything_is_written() {
             &["`--b`: expected an integer 1..=8", "found `two`"],
         ),
         row(
+            &["--draft-tree-nodes", "16"],
+            &["--draft-tree-nodes", "DFlash2"],
+        ),
+        row(
+            &["--backend", "dflash2", "--draft-tree-nodes", "5"],
+            &["--draft-tree-nodes", "8..=32"],
+        ),
+        row(
+            &["--backend", "dflash2", "--draft-tree-nodes", "many"],
+            &["`--draft-tree-nodes`: expected an integer", "found `many`"],
+        ),
+        row(
+            &[
+                "--backend",
+                "dflash2",
+                "--draft-tree-nodes",
+                "16",
+                "--oracle",
+                "0.5",
+            ],
+            &["`--draft-tree-nodes`: expected no --oracle"],
+        ),
+        row(
             &["--prompts", "100000000", "--max-new", "1"],
             &[
                 "`--prompts`: expected 1..=",
@@ -451,5 +474,39 @@ fn prompts_and_continuations_are_text_and_the_summary_keeps_its_fields() {
         "{stdout}"
     );
     assert!(!stdout.contains("trace: r<id>"), "--quiet prints no legend");
+
+    // Tree rounds keep the summary line's fields; trace rows show the accepted path.
+    let out = dflash(
+        &dir,
+        &[
+            "--backend",
+            "dflash2",
+            "--draft-tree-nodes",
+            "16",
+            "--prompts",
+            "2",
+            "--max-new",
+            "16",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let summary = stdout
+        .lines()
+        .find(|l| l.starts_with("summary: "))
+        .expect("summary line");
+    for field in [
+        "mean accepted per row-round ",
+        "tokens per row-round ",
+        "commit lengths [N=",
+    ] {
+        assert!(summary.contains(field), "`{field}` in {summary}");
+    }
+    assert!(stdout.contains(" path=[0"), "{stdout}");
+    assert!(
+        stdout.contains("speculative output == plain greedy target decoding")
+            && stdout.contains("OK"),
+        "{stdout}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -98,7 +98,7 @@ impl StartupOptions {
     ///
     /// Errors (all paths start with `startup.`): [`ConfigError::BackendMismatch`];
     /// [`ConfigError::OutOfRange`] for K outside 1..=15, B outside 1..=8, tree nodes outside
-    /// K+1..=32, indexed-head rows outside `1..=public vocabulary` (at least `selector_top_k`
+    /// K+1..=32 (K+1..=17 for K = 1), indexed-head rows outside `1..=public vocabulary` (at least `selector_top_k`
     /// for DFlash2, which also needs a public vocabulary of at least that many rows);
     /// [`ConfigError::TreeNeedsDFlash2`]; [`ConfigError::PublicVocabUnknown`] when the target's
     /// public vocabulary size was never given (every head and target verification need it);
@@ -135,11 +135,15 @@ impl StartupOptions {
                     found: n,
                 });
             }
-            if !(k + 1..=MAX_TREE_NODES).contains(&n) {
+            // A tree of depth K over 16 candidates a column holds at most 1 + 16 + 16^2 + ..
+            // nodes: 17 for K = 1, more than MAX_TREE_NODES from K = 2 on.
+            let max = if k == 1 { 17 } else { MAX_TREE_NODES };
+            if !(k + 1..=max).contains(&n) {
                 return Err(out_of_range(
                     "startup.tree_nodes",
                     format!(
-                        "{}..={MAX_TREE_NODES} (K + 1 chain columns at least)",
+                        "{}..={max} (K + 1 chain columns at least; at most 1 + 16 candidates a \
+node below the anchor when K = 1)",
                         k + 1
                     ),
                     n,

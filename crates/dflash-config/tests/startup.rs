@@ -120,14 +120,24 @@ fn trees_are_dflash2_only_and_bounded() {
         "{e:?}"
     );
     assert_eq!(e.path(), "startup.tree_nodes");
-    for n in [7, 33] {
+    for (k, n) in [(7, 7), (7, 33), (1, 18), (1, 1)] {
         let o = StartupOptions {
             tree_nodes: Some(n),
-            ..StartupOptions::new(Backend::DFlash2, 7)
+            ..StartupOptions::new(Backend::DFlash2, k)
         };
         let e = err_of(o, &dflash2());
-        assert!(matches!(e, ConfigError::OutOfRange { .. }), "{e:?}");
+        assert!(
+            matches!(e, ConfigError::OutOfRange { .. }),
+            "K={k} N={n}: {e:?}"
+        );
         assert_eq!(e.path(), "startup.tree_nodes");
+    }
+    for (k, n) in [(1, 2), (1, 17), (2, 32), (15, 16), (7, 8)] {
+        let o = StartupOptions {
+            tree_nodes: Some(n),
+            ..StartupOptions::new(Backend::DFlash2, k)
+        };
+        assert!(o.validate(&dflash2()).is_ok(), "K={k} N={n}");
     }
 }
 

@@ -3,10 +3,18 @@
 //! It owns the bound draft model, the target parts the draft borrows (embedding and proposal
 //! head, on the draft's backend), the context store (one lane per concurrency slot) and the
 //! round workspace planned for (B, K, head). Everything is allocated in [`DraftProposer::new`];
-//! [`DraftProposer::plan`] computes the same bytes without allocating.
+//! [`DraftProposer::plan`] computes the same bytes without allocating (the tree lattice
+//! scratch of a DFlash2 draft: when `startup.tree_nodes` is set; otherwise at the first
+//! [`Proposer::propose_tree`], outside the plan).
+//!
+//! Tree rounds ([`Proposer::propose_tree`], DFlash2): the block runs as for a chain, then
+//! [`Workspace::read_lattice`] gathers the codebook rows a tree can read on the backend and
+//! reads them back with the chain, and each row's tree is built on the host
+//! ([`dflash_draft::tree`]) and truncated to the row's `P`.
 
 use dflash_config::{ProposalHead, Startup};
 use dflash_context::{Capacity, ContextHandle, ContextImage, ContextStore, HostContextImage};
+use dflash_draft::tree::{self, DraftTree, LatticeScratch, TreeOptions};
 use dflash_draft::{
     DraftModel, HeadParts, RowRequest, TOP_K, TargetParts, Workspace, WorkspaceSpec,
 };
@@ -95,6 +103,9 @@ pub struct DraftProposer<'a> {
     eager: Option<String>,
     /// Rounds replayed from a graph profile.
     replays: u64,
+    /// The device scratch of tree rounds' lattice readback (DFlash2): allocated in
+    /// [`DraftProposer::new`] when `startup.tree_nodes` is set, else at the first tree round.
+    lattice: Option<LatticeScratch>,
 }
 
 /// A live-row bucket and the draft block (block forward, head / selector) captured for it.
@@ -161,7 +172,6 @@ impl<'a> DraftProposer<'a> {
     ) -> Result<(Startup, Capacity, MemoryPlan)> {
         let g = model.geometry();
         let startup = options.startup.validate(g)?;
-        crate::engine::check_no_tree(&options.startup)?;
         if options.max_context == 0 || options.max_context > i32::MAX as usize / 2 {
             return Err(invalid(
                 "max_context",
@@ -225,6 +235,16 @@ impl<'a> DraftProposer<'a> {
             "draft workspace",
             workspace_bytes(model, &startup, &capacity, shape.rows),
         );
+        if let (Some(_), Some(d2)) = (startup.tree_nodes, &g.dflash2) {
+            plan.push(
+                "tree lattice scratch",
+                LatticeScratch::bytes_for(
+                    startup.concurrency as usize,
+                    startup.draft_count as usize,
+                    d2.selector_rank as usize,
+                ),
+            );
+        }
         plan.push("verify inputs", 4 * u64::from(startup.concurrency) * w);
         plan.push(
             "pending verify features and materialize scratch",
@@ -255,6 +275,10 @@ impl<'a> DraftProposer<'a> {
         )?;
         let spec = WorkspaceSpec::from_startup(&startup, parts.vocab_rows);
         let ws = Workspace::new(&model, &store, &spec)?;
+        let lattice = match startup.tree_nodes {
+            Some(_) => Some(ws.lattice_scratch()?),
+            None => None,
+        };
         let inputs = be.zeros(startup.concurrency as usize * startup.block_width as usize)?;
         let mut me = DraftProposer {
             model,
@@ -267,6 +291,7 @@ impl<'a> DraftProposer<'a> {
             profiles: Vec::new(),
             eager: None,
             replays: 0,
+            lattice,
         };
         me.eager = if options.eager {
             Some("eager mode was asked for (EngineOptions::eager)".into())
@@ -349,6 +374,58 @@ impl<'a> DraftProposer<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The tree round after [`DraftProposer::queue_block`]: read the lattice of the staged
+    /// rows and build each row's tree (checked by [`Proposer::propose_tree`]).
+    fn read_trees(
+        &mut self,
+        rows: &[ProposeRow<'_, ContextHandle>],
+        nodes: usize,
+    ) -> Result<Vec<DraftTree>> {
+        let scratch = match &mut self.lattice {
+            Some(s) => s,
+            None => self.lattice.insert(self.ws.lattice_scratch()?),
+        };
+        let lattices = self.ws.read_lattice(&self.model, scratch)?;
+        if lattices.len() != rows.len() {
+            return Err(EngineError::Proposer {
+                reason: format!(
+                    "the draft read {} lattices for {} rows",
+                    lattices.len(),
+                    rows.len()
+                ),
+            });
+        }
+        let public = self.parts.public_vocab;
+        lattices
+            .iter()
+            .zip(rows)
+            .enumerate()
+            .map(|(i, (lat, row))| {
+                // Every tree token is the anchor or a candidate: top-16 ids are public by
+                // the head's contract; a draft that breaks it is refused, not verified.
+                if let Some(&id) = lat
+                    .candidate_ids
+                    .iter()
+                    .find(|&&id| !usize::try_from(id).is_ok_and(|id| id < public))
+                {
+                    return Err(EngineError::Proposer {
+                        reason: format!(
+                            "row {i}: the selector's candidate id {id} is not a public id \
+(< {public})"
+                        ),
+                    });
+                }
+                let opts = TreeOptions {
+                    nodes,
+                    temperature: row.temperature,
+                    seed: row.seed,
+                    frontier: row.frontier as u64,
+                };
+                Ok(lat.build(&opts)?.truncated(row.usable))
+            })
+            .collect()
     }
 
     /// Rows the last draft block computed: the live requests when run eagerly, the
@@ -706,6 +783,39 @@ impl Proposer for DraftProposer<'_> {
                 Ok(Proposal { tokens, q })
             })
             .collect()
+    }
+
+    /// DFlash2 only, `nodes` in `K + 1 ..= 32` (`..= 17` for K = 1: a root has 16
+    /// candidates); refused ([`EngineError::Proposer`]) before anything runs otherwise. The
+    /// block runs as for [`Proposer::propose`] (so nodes `0 ..= P` are its chain, q
+    /// included), [`Workspace::read_lattice`] reads the rows' lattices, and each row's tree is
+    /// [`tree::build`] with the row's temperature, seed and frontier, then
+    /// [`DraftTree::truncated`] to its `P`.
+    fn propose_tree(
+        &mut self,
+        rows: &[ProposeRow<'_, ContextHandle>],
+        nodes: usize,
+    ) -> Result<Vec<DraftTree>> {
+        if self.model.geometry().dflash2.is_none() {
+            return Err(EngineError::Proposer {
+                reason: "tree proposals need a DFlash2 draft (a top-16 lattice); this DFlash \
+draft proposes chains only"
+                    .into(),
+            });
+        }
+        let k = self.draft_count();
+        let most = if k == 1 { 1 + TOP_K } else { tree::MAX_NODES };
+        if !(k + 1..=most).contains(&nodes) {
+            return Err(EngineError::Proposer {
+                reason: format!(
+                    "a tree of {nodes} nodes: expected {}..={most} (the K + 1 chain nodes at \
+least, K = {k})",
+                    k + 1
+                ),
+            });
+        }
+        self.queue_block(rows)?;
+        self.read_trees(rows, nodes)
     }
 
     fn checkpoint(&self, slot: ContextHandle) -> Result<ContextImage> {

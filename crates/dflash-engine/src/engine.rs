@@ -6,7 +6,8 @@ use dflash_config::{MAX_CONCURRENCY, MAX_DRAFT_COUNT};
 use dflash_draft::DraftModel;
 use dflash_ops::Backend;
 use dflash_verify::{
-    ProposalDist, ProposalKind, RoundOutcome, TokenHistory, VerifyShape, VerifyWorkspace,
+    ProposalDist, ProposalKind, RetainedQ, RoundOutcome, TokenHistory, TreeOutcome, TreeRow,
+    VerifyShape, VerifyWorkspace,
 };
 
 use crate::draft_proposer::{DraftProposer, DraftTargetParts};
@@ -16,7 +17,7 @@ use crate::proposer::{Coverage, ProposeRow, Proposer};
 use crate::request::{CancelHandle, FinishReason, Request, RequestId, preview};
 use crate::sampling::Sampler;
 use crate::target::{
-    Commit, SeqHandle, Target, TargetCheckpoint, TargetInfo, VerifyBatch, VerifyRow,
+    Accepted, Commit, SeqHandle, Target, TargetCheckpoint, TargetInfo, VerifyBatch, VerifyRow,
 };
 
 /// The draft's proposal rows of the active requests (`usable`: each one's `P`).
@@ -34,6 +35,64 @@ fn propose_rows<'a, S: Copy>(active: &'a [Active<S>], usable: &[usize]) -> Vec<P
             history: &a.cont.tokens,
         })
         .collect()
+}
+
+/// A row's verification, chain or tree: what the rest of the round reads.
+struct Verified {
+    outputs: Vec<u32>,
+    accepted: usize,
+    /// `P` (a tree's depth budget: its chain's length).
+    proposals: usize,
+    /// A tree round's accepted root path (verify columns); `None` for a chain (`0 ..= A`).
+    path: Option<Vec<usize>>,
+}
+
+impl Verified {
+    fn chain(o: RoundOutcome) -> Self {
+        Verified {
+            accepted: o.accepted(),
+            proposals: o.proposals(),
+            outputs: o.outputs().to_vec(),
+            path: None,
+        }
+    }
+
+    fn tree(o: TreeOutcome, proposals: usize) -> Self {
+        Verified {
+            accepted: o.accepted(),
+            proposals,
+            outputs: o.outputs().to_vec(),
+            path: Some(o.path().to_vec()),
+        }
+    }
+
+    fn outputs(&self) -> &[u32] {
+        &self.outputs
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted
+    }
+
+    fn proposals(&self) -> usize {
+        self.proposals
+    }
+
+    /// The verify columns of the first `n` committed rows as runs of adjacent columns:
+    /// `(offset in the commit, first column, length)`.
+    fn column_runs(&self, n: usize) -> Vec<(usize, usize, usize)> {
+        let Some(path) = &self.path else {
+            return vec![(0, 0, n)];
+        };
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for (j, &c) in path[..n].iter().enumerate() {
+            match runs.last_mut() {
+                Some((_, first, len)) if *first + *len == c => *len += 1,
+                _ => runs.push((j, c, 1)),
+            }
+        }
+        runs
+    }
 }
 
 /// Something a frontend sees, in publication order.
@@ -82,8 +141,12 @@ pub struct RowReport {
     pub context_before: Coverage,
     /// The anchor `a`.
     pub anchor: u32,
-    /// `d_1 .. d_P`, the verified proposals.
+    /// `d_1 .. d_P`, the verified proposals (a tree round: the tokens of nodes `1 .. N`, in
+    /// node order; nodes `1 ..= P` are the chain).
     pub proposed: Vec<u32>,
+    /// A tree round: the accepted root path of node indices (`[0, v_1, .., v_A]`); empty for
+    /// a chain round (whose path is `0 ..= A`).
+    pub tree_path: Vec<usize>,
     /// `A`, accepted proposals.
     pub accepted: usize,
     /// `y_1 .. y_L`, the licensed outputs.
@@ -217,6 +280,8 @@ pub struct Engine<T: Target, P: Proposer> {
     k: usize,
     b: usize,
     kind: ProposalKind,
+    /// Tree rounds with this many nodes (`startup.tree_nodes`), else chain rounds.
+    tree: Option<usize>,
     limit: usize,
     verify: VerifyWorkspace,
     sampler: Sampler,
@@ -242,9 +307,16 @@ impl<T: Target, P: Proposer> std::fmt::Debug for Engine<T, P> {
     }
 }
 
-/// The engine's own device allocations for a target, K, B and proposal kind.
-fn engine_plan(info: &TargetInfo, k: usize, b: usize, kind: ProposalKind) -> MemoryPlan {
-    let w = k as u64 + 1;
+/// The engine's own device allocations for a target, K, B, proposal kind and tree nodes (the
+/// verify workspace holds `N` columns a row for a tree engine, `W = K + 1` otherwise).
+fn engine_plan(
+    info: &TargetInfo,
+    k: usize,
+    b: usize,
+    kind: ProposalKind,
+    tree: Option<usize>,
+) -> MemoryPlan {
+    let w = tree.unwrap_or(k + 1) as u64;
     let mut plan = MemoryPlan::default();
     // The target's verify outputs are the target's own memory (lent through
     // `Target::verified`), not the engine's.
@@ -262,18 +334,39 @@ fn engine_plan(info: &TargetInfo, k: usize, b: usize, kind: ProposalKind) -> Mem
     plan
 }
 
-/// Tree verification (`startup.tree_nodes`) is not implemented yet: a round verifies the
-/// chain, so asking for a tree is refused rather than silently run as a chain.
-pub(crate) fn check_no_tree(startup: &dflash_config::StartupOptions) -> Result<()> {
-    match startup.tree_nodes {
-        None => Ok(()),
-        Some(n) => Err(EngineError::Unsupported {
+/// The tree node budget of `startup.tree_nodes` (`None`: chain rounds): `K + 1 ..= 32`
+/// nodes, DFlash2 only.
+pub(crate) fn tree_nodes(
+    startup: &dflash_config::StartupOptions,
+    kind: ProposalKind,
+) -> Result<Option<usize>> {
+    let Some(n) = startup.tree_nodes else {
+        return Ok(None);
+    };
+    let k = startup.draft_count as usize;
+    if kind != ProposalKind::Top16 {
+        return Err(EngineError::Unsupported {
             option: "startup.tree_nodes",
             found: n.to_string(),
-            reason: "tree verification is not implemented yet; leave it unset, a round then \
-verifies the chain of K proposals",
-        }),
+            reason: "tree verification needs a DFlash2 draft (a top-16 lattice); a DFlash \
+draft verifies chains",
+        });
     }
+    let n = n as usize;
+    // At most 1 + 16 nodes when K = 1 (the anchor and its 16 candidates).
+    let max = if k == 1 {
+        17
+    } else {
+        dflash_config::MAX_TREE_NODES as usize
+    };
+    if !(k + 1..=max).contains(&n) {
+        return Err(EngineError::InvalidOption {
+            option: "startup.tree_nodes",
+            expected: format!("{}..={max} (the K + 1 chain columns at least)", k + 1),
+            found: n.to_string(),
+        });
+    }
+    Ok(Some(n))
 }
 
 fn check_startup_numbers(k: usize, b: usize) -> Result<()> {
@@ -329,8 +422,9 @@ impl<'a, T: Target> Engine<T, DraftProposer<'a>> {
         } else {
             ProposalKind::OneHot
         };
+        let tree = tree_nodes(&options.startup, kind)?;
         let mut plan = draft_plan;
-        plan.extend(&engine_plan(target.info(), k, b, kind));
+        plan.extend(&engine_plan(target.info(), k, b, kind, tree));
         check_budget(&plan, options.memory_budget)?;
         let be = model.backend().clone();
         let proposer = DraftProposer::new(model, parts, options)?;
@@ -349,7 +443,6 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         let k = options.startup.draft_count as usize;
         let b = options.startup.concurrency as usize;
         check_startup_numbers(k, b)?;
-        check_no_tree(&options.startup)?;
         if proposer.draft_count() != k {
             return Err(EngineError::ProposerMismatch {
                 what: "draft count K",
@@ -374,8 +467,16 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         let info = target.info().clone();
         proposer.check_target(&info)?;
         let kind = proposer.kind();
+        let tree = tree_nodes(&options.startup, kind)?;
+        if tree.is_some() && !info.supports_trees {
+            return Err(EngineError::Unsupported {
+                option: "startup.tree_nodes",
+                found: options.startup.tree_nodes.unwrap_or(0).to_string(),
+                reason: "the target verifies chains only (TargetInfo::supports_trees is false)",
+            });
+        }
         let mut plan = proposer.memory_plan();
-        plan.extend(&engine_plan(&info, k, b, kind));
+        plan.extend(&engine_plan(&info, k, b, kind, tree));
         check_budget(&plan, options.memory_budget)?;
 
         let w = k + 1;
@@ -387,7 +488,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             &be,
             VerifyShape {
                 max_rows: b,
-                cols: w,
+                cols: tree.unwrap_or(w),
                 vocab_rows: info.vocab_rows,
                 public_vocab: info.public_vocab,
                 kind,
@@ -408,6 +509,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             k,
             b,
             kind,
+            tree,
             verify,
             sampler,
             active: Vec::new(),
@@ -960,6 +1062,136 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         Ok((inputs, outcomes))
     }
 
+    /// Steps 3-5 of a tree round (`startup.tree_nodes`), through the host: the proposer's
+    /// trees (at most `nodes` nodes, none deeper than the row's `P`) are read back and
+    /// checked, the target verifies them (attention by ancestry, RoPE at `F + depth`) and
+    /// `verify_tree` walks them. The verify inputs (anchor, then every node's token) and the
+    /// outcomes, per row.
+    #[allow(clippy::type_complexity)] // reason: (inputs, outcomes) of the round
+    fn tree_round(
+        &mut self,
+        nodes: usize,
+        usable: &[usize],
+        seqs: &[SeqHandle],
+    ) -> Result<(Vec<Vec<u32>>, Vec<TreeOutcome>)> {
+        let n = self.active.len();
+        let public = self.target.info().public_vocab;
+        let rows = propose_rows(&self.active, usable);
+        let trees = self.proposer.propose_tree(&rows, nodes)?;
+        drop(rows);
+        if trees.len() != n {
+            return Err(EngineError::Proposer {
+                reason: format!("{} trees for {n} rows", trees.len()),
+            });
+        }
+        let mut child_q: Vec<Vec<RetainedQ>> = Vec::with_capacity(n);
+        for (i, ((t, &u), a)) in trees.iter().zip(usable).zip(&self.active).enumerate() {
+            let bad = |reason: String| EngineError::Proposer {
+                reason: format!("row {i}: {reason}"),
+            };
+            let m = t.tokens.len();
+            if !(1..=nodes).contains(&m) || t.parents.len() + 1 != m || t.depth.len() != m {
+                return Err(bad(format!(
+                    "a tree of {m} tokens, {} parents and {} depths (at most {nodes} nodes)",
+                    t.parents.len(),
+                    t.depth.len()
+                )));
+            }
+            if t.tokens[0] != a.cont.anchor().unwrap_or(0) {
+                return Err(bad(format!("node 0 holds {}, not the anchor", t.tokens[0])));
+            }
+            if let Some(&d) = t.depth.iter().find(|&&d| d as usize > u) {
+                return Err(bad(format!("a node at depth {d} with P = {u}")));
+            }
+            if let Some(&tok) = t.tokens[1..].iter().find(|&&x| x as usize >= public) {
+                return Err(bad(format!(
+                    "proposed token {tok} is not public (< {public})"
+                )));
+            }
+            let mut qs = Vec::with_capacity(m - 1);
+            for nd in 0..m - 1 {
+                let (ids, q) = match (t.child_ids.get(nd), t.child_q.get(nd)) {
+                    (Some(ids), Some(q)) => (ids, q),
+                    _ => return Err(bad(format!("no child distribution for node {nd}"))),
+                };
+                let mut rq = RetainedQ {
+                    ids: [0; dflash_verify::TOP],
+                    q: *q,
+                };
+                for (dst, &id) in rq.ids.iter_mut().zip(ids) {
+                    // A node at depth K has no candidates (zeros), and no children: unread.
+                    *dst = u32::try_from(id)
+                        .map_err(|_| bad(format!("node {nd} has the candidate id {id}")))?;
+                }
+                qs.push(rq);
+            }
+            child_q.push(qs);
+        }
+        let inputs: Vec<Vec<u32>> = trees.iter().map(|t| t.tokens.clone()).collect();
+        {
+            let vrows: Vec<VerifyRow<'_>> = seqs
+                .iter()
+                .zip(&inputs)
+                .zip(&trees)
+                .map(|((&s, tok), t)| VerifyRow {
+                    seq: s,
+                    tokens: tok,
+                    parents: Some(&t.parents),
+                })
+                .collect();
+            self.target.verify(
+                &self.be,
+                &VerifyBatch {
+                    rows: &vrows,
+                    cols: nodes,
+                },
+            )?;
+        }
+        let outcomes: Result<Vec<TreeOutcome>> = {
+            let trows: Vec<TreeRow<'_>> = self
+                .active
+                .iter()
+                .zip(&inputs)
+                .zip(&trees)
+                .zip(&child_q)
+                .map(|(((a, tok), t), qs)| TreeRow {
+                    anchor: tok[0],
+                    tokens: &tok[1..],
+                    parents: &t.parents,
+                    child_q: qs,
+                    settings: a.cont.request.sampling,
+                    seed: a.cont.request.seed,
+                    frontier: a.cont.frontier as u64,
+                    history: &a.history,
+                })
+                .collect();
+            self.target
+                .verified()
+                .map_err(EngineError::from)
+                .and_then(|view| {
+                    self.verify
+                        .verify_tree(&self.be, &trows, view.logits)
+                        .map_err(EngineError::from)
+                })
+        };
+        match outcomes {
+            Ok(o) if o.len() == n => Ok((inputs, o)),
+            Ok(o) => {
+                self.abort_verify(seqs);
+                Err(EngineError::Proposer {
+                    reason: format!(
+                        "tree verification returned {} outcomes for {n} rows",
+                        o.len()
+                    ),
+                })
+            }
+            Err(e) => {
+                self.abort_verify(seqs);
+                Err(e)
+            }
+        }
+    }
+
     /// A verification's result: one outcome per active row, else the target's pending verify
     /// is released (nothing committed) and the error returned.
     fn settle<X>(
@@ -1008,10 +1240,26 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         //      Q = P + 1 columns per row, acceptance and correction / bonus: on the device
         //      when the proposer can (one read, of the outcome), else through the host.
         let seqs: Vec<SeqHandle> = self.active.iter().map(|a| a.seq).collect();
-        let (inputs, outcomes) = match self.device_round(&usable, &seqs)? {
-            Some(r) => r,
-            None => self.host_round(&usable, &seqs)?,
+        // A tree round verifies `nodes` columns a row (through the host), a chain round W.
+        let (cols, inputs, outcomes) = match self.tree {
+            Some(nodes) => {
+                let (inputs, trees) = self.tree_round(nodes, &usable, &seqs)?;
+                let v = trees
+                    .into_iter()
+                    .zip(&usable)
+                    .map(|(t, &p)| Verified::tree(t, p))
+                    .collect();
+                (nodes, inputs, v)
+            }
+            None => {
+                let (inputs, chains) = match self.device_round(&usable, &seqs)? {
+                    Some(r) => r,
+                    None => self.host_round(&usable, &seqs)?,
+                };
+                (w, inputs, chains.into_iter().map(Verified::chain).collect())
+            }
         };
+        let outcomes: Vec<Verified> = outcomes;
         // 6. Frontend preview: N in 0..=L per request.
         let decisions: Vec<(usize, Option<FinishReason>)> = self
             .active
@@ -1027,11 +1275,19 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 )
             })
             .collect();
-        // 7. Commit N target input rows per request (N = 0 releases the records).
+        // 7. Commit N target input rows per request (N = 0 releases the records): a chain's
+        //    first N columns, a tree's first N accepted path nodes.
         let commits: Vec<Commit> = seqs
             .iter()
             .zip(&decisions)
-            .map(|(&s, &(nn, _))| Commit::prefix(s, nn))
+            .zip(&outcomes)
+            .map(|((&s, &(nn, _)), o)| match &o.path {
+                None => Commit::prefix(s, nn),
+                Some(path) => Commit {
+                    seq: s,
+                    accepted: Accepted::Path(path[..nn].iter().map(|&c| c as u32).collect()),
+                },
+            })
             .collect();
         if let Err(e) = self.target.commit(&commits) {
             self.abort_verify(&seqs);
@@ -1051,14 +1307,23 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             let mut failed = false;
             if nn > 0 {
                 // The target's features of this verify, read in place (still lent after the
-                // commit, until its next verify).
+                // commit, until its next verify): the committed columns, in runs of adjacent
+                // columns (a chain: one run; a tree: its path's).
+                let runs = o.column_runs(nn);
                 let pushed = self
                     .target
                     .verified()
                     .map_err(EngineError::from)
                     .and_then(|view| {
-                        self.proposer
-                            .push_verified(a.slot, f, view.features, i * w, nn)
+                        runs.iter().try_for_each(|&(at, first, len)| {
+                            self.proposer.push_verified(
+                                a.slot,
+                                f + at,
+                                view.features,
+                                i * cols + first,
+                                len,
+                            )
+                        })
                     });
                 let hist = a.history.extend(&published);
                 if let Err(e) = pushed.and(hist.map_err(EngineError::from)) {
@@ -1083,6 +1348,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 context_before: cov,
                 anchor: inputs[i][0],
                 proposed: inputs[i][1..].to_vec(),
+                tree_path: o.path.clone().unwrap_or_default(),
                 accepted: o.accepted(),
                 licensed: o.outputs().to_vec(),
                 committed: nn,

@@ -16,6 +16,7 @@
 //! admission from an image ([`Proposer::admit_restored`]) must refuse an image whose coverage
 //! differs from the target frontier it is attached to.
 
+use dflash_draft::tree::DraftTree;
 use dflash_ops::{Buffer, bf16};
 use dflash_verify::{ProposalKind, RetainedQ};
 
@@ -151,6 +152,22 @@ pub trait Proposer {
     ) -> Result<Option<DeviceRound<'_>>> {
         let _ = rows;
         Ok(None)
+    }
+
+    /// One batched DFlash2 tree proposal round (`startup.tree_nodes`): per row a tree of at
+    /// most `nodes` nodes (anchor included) whose nodes `0..=P` are exactly the chain
+    /// [`Proposer::propose`] would give, no node deeper than the row's `usable` P, shaped and
+    /// drawn as `dflash_draft::tree` says (so that `tree_accept` stays lossless). The default
+    /// refuses: this proposer drafts chains only.
+    fn propose_tree(
+        &mut self,
+        rows: &[ProposeRow<'_, Self::Slot>],
+        nodes: usize,
+    ) -> Result<Vec<DraftTree>> {
+        let _ = (rows, nodes);
+        Err(crate::EngineError::Proposer {
+            reason: "this proposer drafts chains only (no tree proposals)".into(),
+        })
     }
 
     /// A device image of a materialized slot.

@@ -23,6 +23,7 @@
 //! | correction draw at the first rejected position F+1+i | [`Purpose::Correction`] | F+1+i | 0 |
 //! | bonus draw after P accepted proposals (position F+P+1) | [`Purpose::Bonus`] | F+P+1 | 0 |
 //! | tree child draw number j below a node of depth i | [`Purpose::TreeChild`] | F+1+i | j |
+//! | tree acceptance test of child number j below a node of depth i | [`Purpose::Accept`] | F+1+i | j |
 //! | plain sampling of one token at position t (no speculation) | [`Purpose::Decode`] | t | 0 |
 
 use rand_philox::philox4x32_10;
