@@ -96,6 +96,31 @@ pub trait EdgeScores {
     fn row(&mut self, column: usize, pred: u32) -> Result<[f32; TOP_K]>;
 }
 
+/// A lattice's length error: `lattice.<what>.len()`.
+fn lattice_len(what: &str, expected: String, found: usize) -> DraftError {
+    DraftError::invalid(format!("lattice.{what}.len()"), expected, found)
+}
+
+/// The checks every lattice source makes: `K, R >= 1`, `g` of `K * R` and `unary`, `cand` of
+/// `K * 16` elements.
+fn check_columns(k: usize, rank: usize, g: usize, unary: usize, cand: usize) -> Result<()> {
+    if k == 0 {
+        return Err(DraftError::invalid("lattice.k", ">= 1", k));
+    }
+    if rank == 0 {
+        return Err(DraftError::invalid("lattice.rank", ">= 1", rank));
+    }
+    if Some(g) != k.checked_mul(rank) {
+        return Err(lattice_len("g", format!("K * R = {k} * {rank}"), g));
+    }
+    for (what, n) in [("unary", unary), ("cand", cand)] {
+        if n != k * TOP_K {
+            return Err(lattice_len(what, format!("K * 16 = {}", k * TOP_K), n));
+        }
+    }
+    Ok(())
+}
+
 /// Edge scores from host tensors, computed by [`candidate_selector::edge_row`] (the
 /// selector's own code, so a spine row reproduces the selector's E bit for bit).
 #[derive(Clone, Copy, Debug)]
@@ -122,23 +147,8 @@ impl<'a> HostLattice<'a> {
         w_pred: &'a [bf16],
         w_succ: &'a [bf16],
     ) -> Result<Self> {
-        let len = |what: &str, expected: String, found: usize| {
-            DraftError::invalid(format!("lattice.{what}.len()"), expected, found)
-        };
-        if k == 0 {
-            return Err(DraftError::invalid("lattice.k", ">= 1", k));
-        }
-        if rank == 0 {
-            return Err(DraftError::invalid("lattice.rank", ">= 1", rank));
-        }
-        if Some(g.len()) != k.checked_mul(rank) {
-            return Err(len("g", format!("K * R = {k} * {rank}"), g.len()));
-        }
-        for (what, n) in [("unary", unary.len()), ("cand", cand.len())] {
-            if n != k * TOP_K {
-                return Err(len(what, format!("K * 16 = {}", k * TOP_K), n));
-            }
-        }
+        check_columns(k, rank, g.len(), unary.len(), cand.len())?;
+        let len = lattice_len;
         if w_pred.is_empty() || !w_pred.len().is_multiple_of(rank) {
             let expected = format!("a positive multiple of R = {rank}");
             return Err(len("w_pred", expected, w_pred.len()));
@@ -250,23 +260,8 @@ impl<'a> GatheredLattice<'a> {
         pred_rows: &'a [bf16],
         succ_rows: &'a [bf16],
     ) -> Result<Self> {
-        let len = |what: &str, expected: String, found: usize| {
-            DraftError::invalid(format!("lattice.{what}.len()"), expected, found)
-        };
-        if k == 0 {
-            return Err(DraftError::invalid("lattice.k", ">= 1", k));
-        }
-        if rank == 0 {
-            return Err(DraftError::invalid("lattice.rank", ">= 1", rank));
-        }
-        if Some(g.len()) != k.checked_mul(rank) {
-            return Err(len("g", format!("K * R = {k} * {rank}"), g.len()));
-        }
-        for (what, n) in [("unary", unary.len()), ("cand", cand.len())] {
-            if n != k * TOP_K {
-                return Err(len(what, format!("K * 16 = {}", k * TOP_K), n));
-            }
-        }
+        check_columns(k, rank, g.len(), unary.len(), cand.len())?;
+        let len = lattice_len;
         let preds = pred_rows_per_request(k);
         if Some(pred_rows.len()) != preds.checked_mul(rank) {
             let expected = format!("(1 + (K - 1) * 16) * R = {preds} * {rank}");

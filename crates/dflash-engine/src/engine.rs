@@ -1174,31 +1174,17 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                         .map_err(EngineError::from)
                 })
         };
-        match outcomes {
-            Ok(o) if o.len() == n => Ok((inputs, o)),
-            Ok(o) => {
-                self.abort_verify(seqs);
-                Err(EngineError::Proposer {
-                    reason: format!(
-                        "tree verification returned {} outcomes for {n} rows",
-                        o.len()
-                    ),
-                })
-            }
-            Err(e) => {
-                self.abort_verify(seqs);
-                Err(e)
-            }
-        }
+        let (outcomes, ()) = self.settle(seqs, outcomes.map(|o| (o, ())))?;
+        Ok((inputs, outcomes))
     }
 
     /// A verification's result: one outcome per active row, else the target's pending verify
     /// is released (nothing committed) and the error returned.
-    fn settle<X>(
+    fn settle<O, X>(
         &mut self,
         seqs: &[SeqHandle],
-        read: Result<(Vec<RoundOutcome>, X)>,
-    ) -> Result<(Vec<RoundOutcome>, X)> {
+        read: Result<(Vec<O>, X)>,
+    ) -> Result<(Vec<O>, X)> {
         let n = self.active.len();
         match read {
             Ok((o, x)) if o.len() == n => Ok((o, x)),

@@ -1060,22 +1060,37 @@ impl VerifyWorkspace {
         Ok(())
     }
 
-    /// Run `target_distribution` and `chain_accept` over the first `n` rows.
-    fn launch(&mut self, be: &Backend, n: usize, logits: Logits<'_>) -> Result<()> {
+    /// Run `target_distribution` over the first `n` rows into the `Live` outputs (`p` of the
+    /// sampled columns, `greedy`), the history of a column being the chain prefix of
+    /// `proposals` or (`tree`) the root path of `proposals` and `parents`.
+    fn distributions(
+        &mut self,
+        be: &Backend,
+        n: usize,
+        logits: Logits<'_>,
+        tree: bool,
+    ) -> Result<()> {
         let VerifyShape {
             cols,
             vocab_rows,
             public_vocab,
-            kind,
             ..
         } = self.shape;
+        let history = if tree {
+            target_distribution::History::Tree {
+                tokens: &self.proposals,
+                parents: &self.parents,
+            }
+        } else {
+            target_distribution::History::Chain(&self.proposals)
+        };
         target_distribution::run_with(
             be,
             logits,
             target_distribution::Columns::Starts(&self.col_start),
             &self.live,
             &self.counts,
-            target_distribution::History::Chain(&self.proposals),
+            history,
             &self.sampling.view(),
             target_distribution::Outputs::Live {
                 p: &mut self.p,
@@ -1088,6 +1103,18 @@ impl VerifyWorkspace {
                 public_vocab,
             },
         )?;
+        Ok(())
+    }
+
+    /// Run `target_distribution` and `chain_accept` over the first `n` rows.
+    fn launch(&mut self, be: &Backend, n: usize, logits: Logits<'_>) -> Result<()> {
+        let VerifyShape {
+            cols,
+            vocab_rows,
+            kind,
+            ..
+        } = self.shape;
+        self.distributions(be, n, logits, false)?;
         let proposal = match kind {
             ProposalKind::OneHot => chain_accept::Proposal::OneHot,
             ProposalKind::Top16 => chain_accept::Proposal::Top16 {

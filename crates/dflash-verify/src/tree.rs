@@ -16,7 +16,6 @@
 //! `(seed, F + 1 + depth, Accept, k)`, corrections and bonuses those of the chain at the
 //! final node's depth): a row's outcome is a function of that row alone.
 
-use dflash_ops::target_distribution::{self, History};
 use dflash_ops::tree_accept;
 
 use crate::{
@@ -132,28 +131,7 @@ impl VerifyWorkspace {
             public_vocab,
             ..
         } = self.shape;
-        target_distribution::run_with(
-            be,
-            logits.values,
-            target_distribution::Columns::Starts(&self.col_start),
-            &self.live,
-            &self.counts,
-            History::Tree {
-                tokens: &self.proposals,
-                parents: &self.parents,
-            },
-            &self.sampling.view(),
-            target_distribution::Outputs::Live {
-                p: &mut self.p,
-                greedy: &mut self.greedy,
-            },
-            &target_distribution::Params {
-                rows: n,
-                cols,
-                vocab: vocab_rows,
-                public_vocab,
-            },
-        )?;
+        self.distributions(be, n, logits.values, true)?;
         tree_accept::run(
             be,
             tree_accept::Distributions::Live {

@@ -170,6 +170,63 @@ pub(crate) fn draw(p: &PColumn<'_>, q: &ColumnQ<'_>, u: f32) -> usize {
         .unwrap_or(0)
 }
 
+/// The caller guarantees on live column `i` of row `r` of the target distributions (shared
+/// by `chain_accept` and `tree_accept`, `op` naming the refusing op and `unit` the column's
+/// name in messages): a `greedy` entry is `-1` or an id below `vocab` (a greedy column's `p`
+/// row is never read); a sampled column's `p` row is finite, `>= 0` and has positive mass.
+#[allow(clippy::too_many_arguments)] // reason: the column's address and the message's words
+pub(crate) fn check_target_column(
+    op: &'static str,
+    p: &[f32],
+    greedy: Option<&[i32]>,
+    r: usize,
+    i: usize,
+    cols: usize,
+    vocab: usize,
+    unit: &str,
+) -> Result<()> {
+    let bad = |tensor, index, expected, found: String| OpsError::Value {
+        op,
+        tensor,
+        index,
+        expected,
+        found,
+    };
+    if let Some(g) = greedy {
+        let gi = g[r * cols + i];
+        if gi >= 0 && (gi as usize) < vocab {
+            return Ok(()); // a greedy column: its p row is never read
+        }
+        if gi != -1 {
+            return Err(bad(
+                "greedy",
+                r * cols + i,
+                format!("-1 (sampled) or an argmax id in 0..{vocab} (row {r}, {unit} {i})"),
+                gi.to_string(),
+            ));
+        }
+    }
+    let base = (r * cols + i) * vocab;
+    let col = &p[base..base + vocab];
+    if let Some(v) = col.iter().position(|x| !(x.is_finite() && *x >= 0.0)) {
+        return Err(bad(
+            "p",
+            base + v,
+            format!("a finite probability >= 0 (row {r}, {unit} {i}, token {v})"),
+            col[v].to_string(),
+        ));
+    }
+    if !col.iter().any(|&x| x > 0.0) {
+        return Err(bad(
+            "p",
+            base,
+            format!("a distribution with positive mass (row {r}, {unit} {i})"),
+            "all zero".to_string(),
+        ));
+    }
+    Ok(())
+}
+
 fn bad(tensor: &'static str, index: usize, expected: String, found: impl ToString) -> OpsError {
     OpsError::Value {
         op: OP,
@@ -222,38 +279,7 @@ pub(super) fn run(
             }
         }
         for i in 0..=np {
-            if let Some(g) = greedy {
-                let gi = g[r * cols + i];
-                if gi >= 0 && (gi as usize) < vocab {
-                    continue; // a greedy column: its p row is never read
-                }
-                if gi != -1 {
-                    return Err(bad(
-                        "greedy",
-                        r * cols + i,
-                        format!("-1 (sampled) or an argmax id in 0..{vocab} (row {r}, column {i})"),
-                        gi,
-                    ));
-                }
-            }
-            let base = (r * cols + i) * vocab;
-            let col = &p[base..base + vocab];
-            if let Some(v) = col.iter().position(|x| !(x.is_finite() && *x >= 0.0)) {
-                return Err(bad(
-                    "p",
-                    base + v,
-                    format!("a finite probability >= 0 (row {r}, column {i}, token {v})"),
-                    col[v],
-                ));
-            }
-            if !col.iter().any(|&x| x > 0.0) {
-                return Err(bad(
-                    "p",
-                    base,
-                    format!("a distribution with positive mass (row {r}, column {i})"),
-                    "all zero",
-                ));
-            }
+            check_target_column(OP, p, greedy, r, i, cols, vocab, "column")?;
         }
         if let HostProposal::Top16 { q, ids } = proposal {
             for i in 0..np {

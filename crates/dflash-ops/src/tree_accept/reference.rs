@@ -4,7 +4,9 @@
 
 #![allow(clippy::needless_range_loop)] // reason: index loops mirror the contract's formulas
 
-use crate::chain_accept::reference::{PColumn, blocked_draw_by, blocked_total};
+use crate::chain_accept::reference::{
+    PColumn, blocked_draw_by, blocked_total, check_target_column,
+};
 use crate::rng::{Purpose, uniform};
 use crate::{OpsError, Result};
 
@@ -261,38 +263,7 @@ fn validate_row(
         }
     }
     for i in 0..n {
-        if let Some(g) = greedy {
-            let gi = g[r * cols + i];
-            if gi >= 0 && (gi as usize) < vocab {
-                continue; // a greedy column: its p row is never read
-            }
-            if gi != -1 {
-                return Err(bad(
-                    "greedy",
-                    r * cols + i,
-                    format!("-1 (sampled) or an argmax id in 0..{vocab} (row {r}, node {i})"),
-                    gi,
-                ));
-            }
-        }
-        let base = (r * cols + i) * vocab;
-        let col = &p[base..base + vocab];
-        if let Some(v) = col.iter().position(|x| !(x.is_finite() && *x >= 0.0)) {
-            return Err(bad(
-                "p",
-                base + v,
-                format!("a finite probability >= 0 (row {r}, node {i}, token {v})"),
-                col[v],
-            ));
-        }
-        if !col.iter().any(|&x| x > 0.0) {
-            return Err(bad(
-                "p",
-                base,
-                format!("a distribution with positive mass (row {r}, node {i})"),
-                "all zero",
-            ));
-        }
+        check_target_column(OP, p, greedy, r, i, cols, vocab, "node")?;
     }
     Ok(())
 }
