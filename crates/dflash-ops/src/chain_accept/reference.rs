@@ -227,6 +227,42 @@ pub(crate) fn check_target_column(
     Ok(())
 }
 
+/// The caller guarantees on one set of 16 slots (ids `is`, probabilities `qs`, at flat index
+/// `base` of their tensors; shared by `chain_accept` and `tree_accept`, `op` naming the
+/// refusing op, `at` the slots in messages): ids below `vocab` and distinct, q finite and
+/// `>= 0`.
+pub(crate) fn check_slots(
+    op: &'static str,
+    qs: &[f32],
+    is: &[i32],
+    base: usize,
+    vocab: usize,
+    at: &str,
+) -> Result<()> {
+    let bad = |tensor, s: usize, expected, found: String| OpsError::Value {
+        op,
+        tensor,
+        index: base + s,
+        expected,
+        found,
+    };
+    for s in 0..TOP {
+        if !(is[s] >= 0 && (is[s] as usize) < vocab) {
+            let expected = format!("a token id in 0..{vocab} ({at})");
+            return Err(bad("ids", s, expected, is[s].to_string()));
+        }
+        if is[..s].contains(&is[s]) {
+            let expected = format!("16 distinct ids ({at})");
+            return Err(bad("ids", s, expected, is[s].to_string()));
+        }
+        if !(qs[s].is_finite() && qs[s] >= 0.0) {
+            let expected = format!("a finite probability >= 0 ({at})");
+            return Err(bad("q", s, expected, qs[s].to_string()));
+        }
+    }
+    Ok(())
+}
+
 fn bad(tensor: &'static str, index: usize, expected: String, found: impl ToString) -> OpsError {
     OpsError::Value {
         op: OP,
@@ -285,32 +321,7 @@ pub(super) fn run(
             for i in 0..np {
                 let base = (r * k + i) * TOP;
                 let (qs, is) = (&q[base..base + TOP], &ids[base..base + TOP]);
-                for s in 0..TOP {
-                    if !(is[s] >= 0 && (is[s] as usize) < vocab) {
-                        return Err(bad(
-                            "ids",
-                            base + s,
-                            format!("a token id in 0..{vocab} (row {r}, slot {i})"),
-                            is[s],
-                        ));
-                    }
-                    if is[..s].contains(&is[s]) {
-                        return Err(bad(
-                            "ids",
-                            base + s,
-                            format!("16 distinct ids (row {r}, slot {i})"),
-                            is[s],
-                        ));
-                    }
-                    if !(qs[s].is_finite() && qs[s] >= 0.0) {
-                        return Err(bad(
-                            "q",
-                            base + s,
-                            format!("a finite probability >= 0 (row {r}, slot {i})"),
-                            qs[s],
-                        ));
-                    }
-                }
+                check_slots(OP, qs, is, base, vocab, &format!("row {r}, slot {i}"))?;
                 let d = proposals[r * k + i];
                 if !is.iter().zip(qs).any(|(&id, &qq)| id == d && qq > 0.0) {
                     return Err(bad(

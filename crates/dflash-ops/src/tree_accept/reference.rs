@@ -5,7 +5,7 @@
 #![allow(clippy::needless_range_loop)] // reason: index loops mirror the contract's formulas
 
 use crate::chain_accept::reference::{
-    PColumn, blocked_draw_by, blocked_total, check_target_column,
+    PColumn, blocked_draw_by, blocked_total, check_slots, check_target_column,
 };
 use crate::rng::{Purpose, uniform};
 use crate::{OpsError, Result};
@@ -214,32 +214,7 @@ fn validate_row(
     for par in (0..n).filter(|&par| has_kids[par]) {
         let base = (r * k + par) * TOP;
         let (qs, is) = (&t.q[base..base + TOP], &t.ids[base..base + TOP]);
-        for s in 0..TOP {
-            if !(is[s] >= 0 && (is[s] as usize) < vocab) {
-                return Err(bad(
-                    "ids",
-                    base + s,
-                    format!("a token id in 0..{vocab} (row {r}, node {par})"),
-                    is[s],
-                ));
-            }
-            if is[..s].contains(&is[s]) {
-                return Err(bad(
-                    "ids",
-                    base + s,
-                    format!("16 distinct ids (row {r}, node {par})"),
-                    is[s],
-                ));
-            }
-            if !(qs[s].is_finite() && qs[s] >= 0.0) {
-                return Err(bad(
-                    "q",
-                    base + s,
-                    format!("a finite probability >= 0 (row {r}, node {par})"),
-                    qs[s],
-                ));
-            }
-        }
+        check_slots(OP, qs, is, base, vocab, &format!("row {r}, node {par}"))?;
         let mut seen: Vec<i32> = Vec::new();
         for i in (par + 1..n).filter(|&i| t.parents[r * k + i - 1] as usize == par) {
             let x = t.tokens[r * k + i - 1];
