@@ -203,9 +203,8 @@ fn build(how: Children, salt: u64) -> Rows {
     r
 }
 
-/// Run the op; returns each trial's `(y1, y2)`.
-fn outcomes(rows: &Rows, salt: u64) -> Vec<(usize, usize)> {
-    let be = Backend::Cpu;
+/// Run the op on `be`; returns each trial's `(y1, y2)`.
+fn outcomes(be: &Backend, rows: &Rows, salt: u64) -> Vec<(usize, usize)> {
     let up = |v: &[i32]| be.upload(v).expect("upload");
     let p: Buffer<f32> = be.upload(&rows.p).expect("upload");
     let q: Buffer<f32> = be.upload(&rows.q).expect("upload");
@@ -214,7 +213,7 @@ fn outcomes(rows: &Rows, salt: u64) -> Vec<(usize, usize)> {
     let mut out_len = be.zeros::<i32>(N).expect("alloc");
     let mut path = be.zeros::<i32>(N * COLS).expect("alloc");
     tree_accept::run(
-        &be,
+        be,
         Distributions::Full(&p),
         &Trees {
             nodes: &up(&rows.nodes),
@@ -297,10 +296,11 @@ fn chi_square(counts: &[u64], probs: &[f64]) -> (f64, f64, bool) {
     (stat, crit, impossible)
 }
 
-/// The y1 and joint statistics of one variant: `(stat1, crit1, stat2, crit2, impossible)`.
-fn statistics(how: Children, salt: u64) -> (f64, f64, f64, f64, bool) {
+/// The y1 and joint statistics of one variant on `be`: `(stat1, crit1, stat2, crit2,
+/// impossible)`.
+fn statistics_on(be: &Backend, how: Children, salt: u64) -> (f64, f64, f64, f64, bool) {
     let rows = build(how, salt);
-    let out = outcomes(&rows, salt);
+    let out = outcomes(be, &rows, salt);
     let p0 = target(None);
     let mut c1 = vec![0u64; V];
     let mut c2 = vec![0u64; V * V];
@@ -315,6 +315,44 @@ fn statistics(how: Children, salt: u64) -> (f64, f64, f64, f64, bool) {
     let (s1, k1, i1) = chi_square(&c1, &e1);
     let (s2, k2, i2) = chi_square(&c2, &e2);
     (s1, k1, s2, k2, i1 || i2)
+}
+
+/// [`statistics_on`] the CPU reference.
+fn statistics(how: Children, salt: u64) -> (f64, f64, f64, f64, bool) {
+    statistics_on(&Backend::Cpu, how, salt)
+}
+
+/// The same statistics from the CUDA op (a build with the `cuda` feature on a machine with a
+/// device; skipped otherwise): the correct trees pass, a wrong one fails, and every row's
+/// outcome equals the CPU reference's.
+#[cfg(feature = "cuda")]
+#[test]
+fn tree_acceptance_on_cuda_reproduces_the_target_distribution() {
+    let cuda = match dflash_ops::cuda::CudaBackend::new(0) {
+        Ok(c) => Backend::Cuda(c),
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            return;
+        }
+    };
+    let rows = build(Children::WithoutReplacement, 0x1234);
+    assert_eq!(
+        outcomes(&cuda, &rows, 0x1234),
+        outcomes(&Backend::Cpu, &rows, 0x1234),
+        "CUDA and CPU decide alike"
+    );
+    let (s1, k1, s2, k2, impossible) = statistics_on(&cuda, Children::WithoutReplacement, 0x1234);
+    eprintln!("cuda: y1 {s1:.1} < {k1:.1}, joint {s2:.1} < {k2:.1}");
+    assert!(
+        !impossible && s1 < k1 && s2 < k2,
+        "y1 {s1:.1}/{k1:.1} joint {s2:.1}/{k2:.1}"
+    );
+    let (s1, k1, s2, k2, impossible) = statistics_on(&cuda, Children::TopOfQ, 0x1234);
+    eprintln!("cuda, top of q: y1 {s1:.1} vs {k1:.1}, joint {s2:.1} vs {k2:.1}");
+    assert!(
+        impossible || s1 >= k1 || s2 >= k2,
+        "a wrong tree passed on CUDA"
+    );
 }
 
 #[test]
