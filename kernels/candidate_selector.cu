@@ -104,7 +104,10 @@ candidate_selector_walk(const __nv_bfloat16* __restrict__ g, const int* __restri
                 for (int c = 0; c < CS_TOPK; ++c) p[c] = p[c] / s;
                 const float u = dflash_unit_f32(dflash_rng_word(seed, frontier + (u64)i, purpose, 0u));
                 float cum = 0.0f;
+                // Past the F32 total (a few ulps short of 1): the last rank with mass.
                 j = CS_TOPK - 1;
+                #pragma unroll
+                for (int c = 0; c < CS_TOPK; ++c) if (p[c] > 0.0f) j = c;
                 #pragma unroll
                 for (int c = 0; c < CS_TOPK; ++c) {
                     cum += p[c];

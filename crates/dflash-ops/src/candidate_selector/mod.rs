@@ -13,7 +13,7 @@
 //!   T >  0: m = max_c E[c];  x[c] = expf(f32(f32(E[c] - m) / T));  s = sum_c x[c] (F32, rank
 //!           order);  q[c] = f32(x[c] / s);  u = rng::uniform(seed_b, F_b + i,
 //!           Purpose::Dflash2Proposal, 0);  j = first rank c with u < f32 inclusive prefix sum
-//!           of q[0..=c] in rank order, else 15
+//!           of q[0..=c] in rank order, else the last rank with q > 0
 //!   proposals[b, i] = C_i[j];  chosen[b, i] = j;  q[b, i, ..] = q   (exactly the q of the draw)
 //! ```
 //! `seed_b = seeds[2b] as u32 | seeds[2b+1] as u32 << 32`, `F_b = start_pos[b]` (the frontier;

@@ -79,7 +79,8 @@ pub(crate) fn step_q(e: &[f32; TOP_K], temperature: f32) -> [f32; TOP_K] {
 ///
 /// `temperature <= 0`: lowest rank attaining the max, q one-hot. `temperature > 0`:
 /// q = [`step_q`], then the first rank whose inclusive F32 prefix sum of q exceeds `u`, else
-/// the last rank.
+/// the last rank with `q > 0` (the F32 sum of q can fall short of 1 by a few ulps; the draw
+/// never lands on a rank of zero mass).
 pub(crate) fn choose(
     e: &[f32; TOP_K],
     temperature: f32,
@@ -89,7 +90,8 @@ pub(crate) fn choose(
     if temperature > 0.0 {
         let u = u();
         let mut cum = 0f32;
-        let mut j = TOP_K - 1;
+        // The fallback: the last rank with mass (the max has q = 1 / s > 0, so there is one).
+        let mut j = q.iter().rposition(|&x| x > 0.0).unwrap_or(TOP_K - 1);
         for (c, &x) in q.iter().enumerate() {
             cum += x;
             if u < cum {

@@ -476,3 +476,19 @@ proptest! {
         }
     }
 }
+
+/// A draw past the F32 total of q (which can fall a few ulps short of 1) takes the last rank
+/// with mass, never a rank of zero mass: with the last edge score far below the others its q
+/// underflows to 0, and a uniform at (or past) the total picks rank 14, not 15.
+#[test]
+fn a_draw_past_the_total_takes_the_last_rank_with_mass() {
+    let mut e = [0.0f32; TOP_K];
+    e[TOP_K - 1] = -1.0e4;
+    let (j, q) = super::reference::choose(&e, 1.0, || 1.0);
+    assert_eq!(q[TOP_K - 1], 0.0);
+    assert_eq!(j, TOP_K - 2);
+    assert!(q[j] > 0.0);
+    // Inside the total the ordinary inverse CDF decides.
+    let (j, _) = super::reference::choose(&e, 1.0, || 0.0);
+    assert_eq!(j, 0);
+}
