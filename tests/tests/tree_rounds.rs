@@ -230,3 +230,31 @@ fn tree_forks_and_checkpoints_continue_as_plain_greedy() {
     }
     assert_no_context_leak(engine.proposer());
 }
+
+/// After a warm-up round a tree round allocates nothing on the backend: the lattice gather,
+/// the verification buffers (sized for N columns) and the path's feature compaction are all
+/// planned at startup.
+#[test]
+fn tree_rounds_allocate_nothing_after_warmup() {
+    let fx = Fixture::write(DraftBackend::DFlash2).expect("fixture");
+    let reqs = requests(4, 17, 12, Some(0.9));
+    let mut engine = tree_engine(&fx, 7, 4, Some(24), 256);
+    for r in &reqs {
+        engine.submit(r.clone()).expect("submit");
+    }
+    let be = engine.backend().clone();
+    let mut sink = |_: &dflash_engine::Event| {};
+    engine.step(&mut sink).expect("warm-up round");
+    let warm = be.allocations();
+    let mut rounds = 0;
+    while let Some(step) = engine.step(&mut sink).expect("round") {
+        rounds += 1;
+        assert_eq!(
+            be.allocations(),
+            warm,
+            "a tree round of {} rows allocated",
+            step.rows.len()
+        );
+    }
+    assert!(rounds >= 3, "{rounds} rounds");
+}

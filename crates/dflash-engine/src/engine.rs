@@ -282,6 +282,10 @@ pub struct Engine<T: Target, P: Proposer> {
     kind: ProposalKind,
     /// Tree rounds with this many nodes (`startup.tree_nodes`), else chain rounds.
     tree: Option<usize>,
+    /// A tree engine's scratch `[nodes, feature_width]` BF16: an accepted path's captured
+    /// feature rows compacted into one run (the draft context then takes one pending entry,
+    /// its round slab's, as after a chain commit).
+    tree_features: Option<dflash_ops::Buffer<dflash_ops::bf16>>,
     limit: usize,
     verify: VerifyWorkspace,
     sampler: Sampler,
@@ -331,6 +335,13 @@ fn engine_plan(
         }),
     );
     plan.push("plain sampler", Sampler::bytes(info.vocab_rows));
+    if let Some(n) = tree {
+        // A tree path's feature rows, compacted into one run before the draft takes them.
+        plan.push(
+            "tree feature compaction",
+            2 * (n * info.feature_width()) as u64,
+        );
+    }
     plan
 }
 
@@ -497,6 +508,10 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         let mut verify = verify;
         verify.use_graphs(&be, !options.eager);
         let max_frontier = usize::try_from(verify.max_frontier()).unwrap_or(usize::MAX);
+        let tree_features = match tree {
+            Some(n) => Some(be.zeros(n * info.feature_width())?),
+            None => None,
+        };
         let sampler = Sampler::new(&be, info.vocab_rows, info.public_vocab)?;
         Ok(Engine {
             limit: options
@@ -510,6 +525,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             b,
             kind,
             tree,
+            tree_features,
             verify,
             sampler,
             active: Vec::new(),
@@ -1293,15 +1309,30 @@ impl<T: Target, P: Proposer> Engine<T, P> {
             let mut failed = false;
             if nn > 0 {
                 // The target's features of this verify, read in place (still lent after the
-                // commit, until its next verify): the committed columns, in runs of adjacent
-                // columns (a chain: one run; a tree: its path's).
+                // commit, until its next verify): the committed columns, one run of adjacent
+                // columns for a chain; a tree path that leaves the chain is compacted into the
+                // scratch first (one device copy per run of its columns), so the draft always
+                // takes the commit's rows as one run.
                 let runs = o.column_runs(nn);
+                let fw = self.target.info().feature_width();
                 let pushed = self
                     .target
                     .verified()
                     .map_err(EngineError::from)
-                    .and_then(|view| {
-                        runs.iter().try_for_each(|&(at, first, len)| {
+                    .and_then(|view| match self.tree_features.as_mut() {
+                        Some(scratch) if runs.len() > 1 => {
+                            for &(at, first, len) in &runs {
+                                self.be.copy(
+                                    view.features,
+                                    (i * cols + first) * fw,
+                                    scratch,
+                                    at * fw,
+                                    len * fw,
+                                )?;
+                            }
+                            self.proposer.push_verified(a.slot, f, scratch, 0, nn)
+                        }
+                        _ => runs.iter().try_for_each(|&(at, first, len)| {
                             self.proposer.push_verified(
                                 a.slot,
                                 f + at,
@@ -1309,7 +1340,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                                 i * cols + first,
                                 len,
                             )
-                        })
+                        }),
                     });
                 let hist = a.history.extend(&published);
                 if let Err(e) = pushed.and(hist.map_err(EngineError::from)) {
