@@ -791,6 +791,10 @@ impl Proposer for DraftProposer<'_> {
     /// included), [`Workspace::read_lattice`] reads the rows' lattices, and each row's tree is
     /// [`tree::build`] with the row's temperature, seed and frontier, then
     /// [`DraftTree::truncated`] to its `P`.
+    fn drafts_trees(&self) -> bool {
+        self.model.geometry().dflash2.is_some()
+    }
+
     fn propose_tree(
         &mut self,
         rows: &[ProposeRow<'_, ContextHandle>],

@@ -479,6 +479,13 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         proposer.check_target(&info)?;
         let kind = proposer.kind();
         let tree = tree_nodes(&options.startup, kind)?;
+        if tree.is_some() && !proposer.drafts_trees() {
+            return Err(EngineError::Unsupported {
+                option: "startup.tree_nodes",
+                found: options.startup.tree_nodes.unwrap_or(0).to_string(),
+                reason: "the proposer drafts chains only (Proposer::drafts_trees is false)",
+            });
+        }
         if tree.is_some() && !info.supports_trees {
             return Err(EngineError::Unsupported {
                 option: "startup.tree_nodes",

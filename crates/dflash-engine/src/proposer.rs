@@ -154,6 +154,13 @@ pub trait Proposer {
         Ok(None)
     }
 
+    /// Whether [`Proposer::propose_tree`] drafts trees (checked at startup when
+    /// `startup.tree_nodes` is set, so that a chain-only proposer is refused then and not
+    /// at its first round). The default: false.
+    fn drafts_trees(&self) -> bool {
+        false
+    }
+
     /// One batched DFlash2 tree proposal round (`startup.tree_nodes`): per row a tree of at
     /// most `nodes` nodes (anchor included) whose nodes `0..=P` are exactly the chain
     /// [`Proposer::propose`] would give, no node deeper than the row's `usable` P, shaped and
