@@ -1250,7 +1250,7 @@ impl<T: Target, P: Proposer> Engine<T, P> {
         //      when the proposer can (one read, of the outcome), else through the host.
         let seqs: Vec<SeqHandle> = self.active.iter().map(|a| a.seq).collect();
         // A tree round verifies `nodes` columns a row (through the host), a chain round W.
-        let (cols, inputs, outcomes) = match self.tree {
+        let (cols, inputs, outcomes): (usize, Vec<Vec<u32>>, Vec<Verified>) = match self.tree {
             Some(nodes) => {
                 let (inputs, trees) = self.tree_round(nodes, &usable, &seqs)?;
                 let v = trees
@@ -1268,7 +1268,6 @@ impl<T: Target, P: Proposer> Engine<T, P> {
                 (w, inputs, chains.into_iter().map(Verified::chain).collect())
             }
         };
-        let outcomes: Vec<Verified> = outcomes;
         // 6. Frontend preview: N in 0..=L per request.
         let decisions: Vec<(usize, Option<FinishReason>)> = self
             .active

@@ -299,7 +299,6 @@ pub(crate) fn case_data(
             _ if r == 0 => cols,
             _ => 1 + g.below(cols),
         };
-        d.nodes[r] = n as i32;
         let s = g.next_u64();
         d.seeds[2 * r] = s as u32 as i32;
         d.seeds[2 * r + 1] = (s >> 32) as u32 as i32;

@@ -41,16 +41,16 @@ fn bad(tensor: &'static str, index: usize, expected: String, found: impl ToStrin
 }
 
 /// The walk's result for one row: the visited nodes (from 0) and the correction or bonus.
-pub(crate) struct Walk {
+struct Walk {
     /// `0, v_1, .., v_A`.
-    pub path: Vec<usize>,
+    path: Vec<usize>,
     /// The correction (all children of the last node rejected) or bonus (a leaf).
-    pub token: usize,
+    token: usize,
 }
 
 /// One row's tree, validated: `parent[i]` for `i >= 1`, `token[i]` for `i >= 1`, the slots of
 /// node `n` at `slots(n)`.
-pub(crate) struct RowTree<'a> {
+struct RowTree<'a> {
     /// Live nodes.
     pub n: usize,
     /// Parent of node `i` at `i - 1`.
@@ -64,7 +64,7 @@ pub(crate) struct RowTree<'a> {
 }
 
 /// The walk of item 1 over one row, `p(n)` giving node `n`'s target distribution.
-pub(crate) fn walk<'p>(
+fn walk<'p>(
     t: &RowTree<'_>,
     p: impl Fn(usize) -> PColumn<'p>,
     vocab: usize,
