@@ -224,6 +224,20 @@ DF_WGMMA_RS_NT(df_wgmma_rs_f16_nt, "f16")
 DF_WGMMA_RS_NT(df_wgmma_rs_bf16_nt, "bf16")
 #undef DF_WGMMA_RS_NT
 
+// Prefetch the 128-byte line holding `p` into the L2 (no value returned, nothing waited for).
+__device__ __forceinline__ void df_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// ---- SiLU (swiglu, and the gemm SwiGLU epilogue: one definition, the same bits) ----
+// silu(g) = g / (1 + exp(-g)), written so that exp never overflows: with e = exp(-|g|),
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0.
+__device__ __forceinline__ float df_silu(float g) {
+    float e = expf(-fabsf(g));
+    float s = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    return g * s;
+}
+
 // ---- Programmatic dependent launch (sm_90 and later; no-ops below) ----
 // A kernel launched with the programmatic-stream-serialization attribute (the backend's
 // `launch_ex`) may start before the kernel ahead of it in the stream has finished:

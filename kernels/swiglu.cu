@@ -5,18 +5,11 @@
 // row (no per-element index division); with `vec` set (inter, stride and up_off multiples of
 // 8, buffers 16-byte aligned) as one 16-byte load of each input and one store.
 
-// silu(g) = g / (1 + exp(-g)), written so that exp never overflows: with e = exp(-|g|),
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0.
-__device__ __forceinline__ float swiglu_silu(float g) {
-    float e = expf(-fabsf(g));
-    float s = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-    return g * s;
-}
-
 extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate,
                                          const __nv_bfloat16* __restrict__ up,
                                          __nv_bfloat16* __restrict__ out, int inter, u64 stride,
                                          u64 up_off, int vec) {
+    df_pdl_launch_dependents();  // a dependent GEMM may start streaming its weight
     const u64 r = blockIdx.x;
     const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
     if (c0 >= inter) return;
@@ -28,10 +21,10 @@ extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate,
         df_load8(g, gv);
         df_load8(u, uv);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) ov[j] = swiglu_silu(gv[j]) * uv[j];
+        for (int j = 0; j < 8; ++j) ov[j] = df_silu(gv[j]) * uv[j];
         df_store8(o, ov);
     } else {
         const int n = min(8, inter - c0);
-        for (int j = 0; j < n; ++j) o[j] = f2bf(swiglu_silu(bf2f(g[j])) * bf2f(u[j]));
+        for (int j = 0; j < n; ++j) o[j] = f2bf(df_silu(bf2f(g[j])) * bf2f(u[j]));
     }
 }

@@ -10,7 +10,7 @@ use dflash_context::{ContextGeometry, ContextHandle, ContextStore, LayerPool, NO
 use dflash_ops::proposal_argmax::{self, ProposalHead as OpsHead};
 use dflash_ops::{
     Backend, Buffer, bf16, candidate_selector, dynamic_grouped_conv, embedding_gather, gemm,
-    head_norm_rope, residual_add, rms_norm, sliding_window_attention, softmax_attention, swiglu,
+    head_norm_rope, residual_add, rms_norm, sliding_window_attention, softmax_attention,
     unary_topk,
 };
 
@@ -818,8 +818,8 @@ fn no_conv_scratch() -> DraftError {
     )
 }
 
-/// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`: one GEMM against `[gate; up]`, the
-/// fused-layout SwiGLU, the down projection.
+/// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`: one GEMM against `[gate; up]` with the
+/// SwiGLU on the way out (`gemm::run_swiglu`; `ws.gate_up` its scratch), the down projection.
 fn mlp(
     be: &Backend,
     lw: &LayerWeights,
@@ -833,15 +833,13 @@ fn mlp(
         n: 2 * inter,
         k: hidden,
     };
-    gemm::run_bf16(be, &ws.n, &lw.gate_up_proj, &mut ws.gate_up, &gi)?;
-    swiglu::run_fused(
+    gemm::run_swiglu(
         be,
-        &ws.gate_up,
+        &ws.n,
+        &lw.gate_up_proj,
+        &mut ws.gate_up,
         &mut ws.act,
-        &swiglu::SwigluParams {
-            rows: tokens,
-            inter,
-        },
+        &gi,
     )?;
     gemm::run_bf16(
         be,

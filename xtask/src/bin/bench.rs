@@ -3,11 +3,13 @@
 //! graphs and timed with CUDA events, against the memory floor.
 //!
 //! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING] [--shape B,K,CTX]
-//! [--portable]`:
+//! [--portable] [--gemm-rule M,N,W,WMANY]`:
 //! prints a table and writes `DIR/performance.json` (an array of `{"op", "draft", "B", "K",
 //! "context", "median_us", "floor_us"}`) and `DIR/performance.md`. `--portable` restricts the
 //! backend to the portable kernel variants (no sm_90a variants of the heads and attention), for
-//! comparison.
+//! comparison. `--gemm-rule` sets the skinny GEMM's rule (`gemm::SkinnyRule`: the most rows,
+//! the most weight rows, warps a block on grids of at most two blocks an SM and on larger
+//! ones) instead of the default, to measure another.
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
 //! `--only SUBSTRING` keeps the groups whose name contains it: `attention`, `head`, `gemm`
 //! (its own report, below), `block`, `round` (`--only round`: the round rows alone, over B in
@@ -1013,6 +1015,23 @@ fn main() -> Result<()> {
         ..Default::default()
     };
     let cuda = CudaBackend::with_options(0, options).context("opening CUDA device 0")?;
+    // `--gemm-rule M,N,W,WMANY`: the skinny GEMM's rule instead of the default (measurements).
+    if let Some(v) = value("--gemm-rule")? {
+        let n: Vec<usize> = v
+            .split(',')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| anyhow!("--gemm-rule {v}: expected M,N,W,WMANY as integers ({e})"))?;
+        let [max_m, max_n, warps, warps_many] = n[..] else {
+            bail!("--gemm-rule {v}: expected four integers M,N,W,WMANY");
+        };
+        cuda.set_gemm_rule(gemm::SkinnyRule {
+            max_m,
+            max_n,
+            warps,
+            warps_many,
+        });
+    }
     let out = value("--out")?;
     let commit = value("--commit")?.unwrap_or_else(|| "unknown".into());
     let only = value("--only")?;
@@ -1101,7 +1120,7 @@ fn main() -> Result<()> {
              - commit: {commit}\n- command: `{}`\n- time: CUDA events around CUDA-graph replays \
              (each graph rotates over copies of the weight larger than the L2 cache), median of 7\n\
              - `gemm`: the backend's choice (the skinny kernel of kernels/gemm.cu where \
-             gemm::plan takes the product: m <= 16 and n <= 2048, cuBLAS elsewhere); \
+             gemm::plan takes the product under the backend's rule, {rule:?}; cuBLAS elsewhere); \
              `cublas_gemm`: cuBLAS alone; TB/s: weight + A + C bytes / time; \
              floor: those bytes / 4.1 TB/s\n",
             utc_now(),
@@ -1109,6 +1128,7 @@ fn main() -> Result<()> {
             info.arch,
             driver_version(),
             args.join(" "),
+            rule = cuda.gemm_rule(),
         );
         let (md, json) = gemm_report(&grows, &head);
         if let Some(dir) = &out {

@@ -62,9 +62,9 @@ pub enum KernelVariants {
 /// fuse their own).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GemmKernels {
-    /// The `gemm` op's own kernel for the products its plan takes (at most 16 rows on a
-    /// weight of at most 2048 rows, see `crates/dflash-ops/src/gemm/mod.rs`), cuBLAS for
-    /// every other product.
+    /// The `gemm` op's own kernel for the products its plan takes (at most 32 rows, under
+    /// the backend's [`crate::gemm::SkinnyRule`], see `crates/dflash-ops/src/gemm/mod.rs`),
+    /// cuBLAS for every other product.
     #[default]
     Auto,
     /// cuBLAS for every product (the plain-cuBLAS reference of the benchmarks).
@@ -90,11 +90,15 @@ pub const ARCH_SPECIFIC_OPS: [&str; 4] = [
 
 /// Ops that launch kernels as programmatic dependents of the kernel queued before each on
 /// compute capability 9.0 and later (`CudaBackend::launch_ex`: the attention merge, and
-/// the warpgroup-pair split, whose blocks wait for the kernel ahead before anything else),
-/// unless [`KernelVariants::Portable`].
-pub const DEPENDENT_LAUNCH_OPS: [&str; 2] = [
+/// the warpgroup-pair split, whose blocks wait for the kernel ahead before anything else;
+/// `gemm`'s skinny kernel, which prefetches the head of its weight rows into the L2 first),
+/// unless [`KernelVariants::Portable`]. The kernels that usually precede a GEMM in the draft
+/// block (`rms_norm`, `swiglu`, the `dynamic_grouped_conv` kernels, the attention merge) let
+/// their dependents launch as they start, a no-op unless the next kernel is one.
+pub const DEPENDENT_LAUNCH_OPS: [&str; 3] = [
     crate::softmax_attention::OP,
     crate::sliding_window_attention::OP,
+    crate::gemm::OP,
 ];
 
 /// Ops that launch thread-block clusters on compute capability 9.0 and later
@@ -112,6 +116,7 @@ struct Inner {
     sm90a: bool,
     /// [`GemmKernels::Auto`] (see [`CudaBackend::set_gemm_kernels`]).
     own_gemm: std::sync::atomic::AtomicBool,
+    gemm_rule: Mutex<crate::gemm::SkinnyRule>,
     dependent_launch: bool,
     clusters: bool,
     include_dir: String,
@@ -592,6 +597,7 @@ impl CudaBackend {
                 arch: format!("sm_{major}{minor}"),
                 sm90a: options.kernels == KernelVariants::Auto && (major, minor) == (9, 0),
                 own_gemm: std::sync::atomic::AtomicBool::new(options.gemm == GemmKernels::Auto),
+                gemm_rule: Mutex::new(crate::gemm::SkinnyRule::default()),
                 dependent_launch: options.kernels == KernelVariants::Auto && major >= 9,
                 clusters: options.kernels == KernelVariants::Auto && major >= 9,
                 include_dir,
@@ -880,6 +886,27 @@ impl CudaBackend {
             gemm == GemmKernels::Auto,
             std::sync::atomic::Ordering::Relaxed,
         );
+    }
+
+    /// Which products the `gemm` op's own kernel takes, and with how many warps a block
+    /// (while [`Self::uses_own_gemm`]).
+    pub fn gemm_rule(&self) -> crate::gemm::SkinnyRule {
+        *self
+            .inner
+            .gemm_rule
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Set [`Self::gemm_rule`] for work queued from now on (every clone of this backend
+    /// shares it; a recorded CUDA graph keeps the kernels it recorded), e.g. to measure
+    /// another rule in one process. The default is the measured one.
+    pub fn set_gemm_rule(&self, rule: crate::gemm::SkinnyRule) {
+        *self
+            .inner
+            .gemm_rule
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = rule;
     }
 
     /// Whether the ops of [`DEPENDENT_LAUNCH_OPS`] launch kernels as programmatic

@@ -22,18 +22,26 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 pub(crate) trait GemmOutElem: Element {
     /// The cuBLAS data type of the output.
     const CUDA_TYPE: sys::cudaDataType_t;
-    /// The skinny kernel's entry points for 1 and 2 n8 tiles of A's rows.
-    const SKINNY: [&'static str; 2];
+    /// The skinny kernel's entry points for 1, 2 and 4 n8 tiles of A's rows.
+    const SKINNY: [&'static str; 3];
 }
 
 impl GemmOutElem for f32 {
     const CUDA_TYPE: sys::cudaDataType_t = sys::cudaDataType_t::CUDA_R_32F;
-    const SKINNY: [&'static str; 2] = ["gemm_skinny_nt1_f32", "gemm_skinny_nt2_f32"];
+    const SKINNY: [&'static str; 3] = [
+        "gemm_skinny_nt1_f32",
+        "gemm_skinny_nt2_f32",
+        "gemm_skinny_nt4_f32",
+    ];
 }
 
 impl GemmOutElem for bf16 {
     const CUDA_TYPE: sys::cudaDataType_t = sys::cudaDataType_t::CUDA_R_16BF;
-    const SKINNY: [&'static str; 2] = ["gemm_skinny_nt1_bf16", "gemm_skinny_nt2_bf16"];
+    const SKINNY: [&'static str; 3] = [
+        "gemm_skinny_nt1_bf16",
+        "gemm_skinny_nt2_bf16",
+        "gemm_skinny_nt4_bf16",
+    ];
 }
 
 /// Shape and strides of one device GEMM `C[i, j] (+)= sum_l A[i, l] * W[j, l]`, row-major:
@@ -94,6 +102,12 @@ fn span(rows: usize, cols: usize, ld: usize) -> Option<usize> {
         return Some(0);
     }
     (rows - 1).checked_mul(ld)?.checked_add(cols)
+}
+
+/// The device's SM count and per-block shared memory, as `skinny_plan` takes them.
+fn device_limits(c: &CudaBackend) -> (usize, usize) {
+    let l = c.limits();
+    (l.sm_count, l.smem_per_block_optin)
 }
 
 /// Queue `C = A W^T` (or `C += A W^T`) on the backend's stream: BF16 A and W, FP32
@@ -177,7 +191,8 @@ where
             (g.m, g.n, g.k),
             (a_ptr, g.lda),
             (w_ptr, g.ldw),
-            c.limits().smem_per_block_optin,
+            device_limits(c),
+            &c.gemm_rule(),
         )
     {
         return launch_skinny::<T>(c, (a_ptr, w_ptr, c_ptr), (m, n, k), g, &plan);
@@ -222,16 +237,35 @@ where
     )))
 }
 
+/// The skinny kernel's SwiGLU entry points for 1, 2 and 4 n8 tiles of A's rows.
+const SWIGLU: [&str; 3] = [
+    "gemm_skinny_swiglu_nt1",
+    "gemm_skinny_swiglu_nt2",
+    "gemm_skinny_swiglu_nt4",
+];
+
 /// Queue the skinny kernel for a product [`gemm_bf16_device`] checked, at device addresses
 /// `(a, w, c)`, with its dimensions as the kernel's ints.
 fn launch_skinny<T: GemmOutElem>(
     c: &CudaBackend,
+    ptrs: (u64, u64, u64),
+    dims: (i32, i32, i32),
+    g: &DeviceGemm,
+    plan: &SkinnyPlan,
+) -> Result<()> {
+    launch_skinny_entry(c, T::SKINNY[plan.tiles_log2], ptrs, dims, g, plan)
+}
+
+/// Queue entry `name` of the skinny kernel (see [`launch_skinny`]; the SwiGLU entries take
+/// the same parameters, C being `[m, n / 2]` at stride `ldc`).
+fn launch_skinny_entry(
+    c: &CudaBackend,
+    name: &'static str,
     (a, w, out): (u64, u64, u64),
     (m, n, k): (i32, i32, i32),
     g: &DeviceGemm,
     plan: &SkinnyPlan,
 ) -> Result<()> {
-    let name = T::SKINNY[plan.tiles_log2];
     // Checked for blocks of the most warps (the strictest occupancy) at this ring size.
     let kernel = c.kernel(
         OP,
@@ -252,8 +286,8 @@ fn launch_skinny<T: GemmOutElem>(
         RawArg::I64(g.ldc as i64),
         RawArg::I32(i32::from(g.accumulate)),
     ];
-    // The plan bounds every size: at most 128 blocks (n <= 2048) of at most 16 warps, and a
-    // ring no larger than the device's opt-in shared memory.
+    // The plan bounds every size: a block per 16 weight rows (n <= i32::MAX) of at most 16
+    // warps, and a ring no larger than the device's opt-in shared memory.
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (plan.blocks as u32, 1, 1),
         block_dim: ((plan.warps * 32) as u32, 1, 1),
@@ -267,7 +301,57 @@ fn launch_skinny<T: GemmOutElem>(
     // (the op's contract; the kernel's pointers are `__restrict__`); the shared memory is
     // the warps' cp.async rings (`GemmCfg::WARP_BYTES` each), which the reduction's
     // `[warps][NT][4][32]` floats reuse, within the limit `kernel` raised the entry to.
-    unsafe { c.launch_ex(&kernel.func, cfg, &mut args, name, false, 1) }
+    unsafe { c.launch_ex(&kernel.func, cfg, &mut args, name, true, 1) }
+}
+
+/// `gemm::run_swiglu` on CUDA where the skinny kernel takes the product (its SwiGLU
+/// epilogue writes `out`, `[m, n / 2]`): `Ok(true)` once queued, `Ok(false)` (nothing queued)
+/// where it does not (own GEMMs off, or `skinny_plan` refuses the shape or alignment), and
+/// the caller forms the product and the SwiGLU apart. Lengths already checked (n even).
+pub(super) fn run_swiglu(
+    c: &CudaBackend,
+    a: &Buffer<bf16>,
+    w: &Buffer<bf16>,
+    out: &mut Buffer<bf16>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<bool> {
+    if m == 0 || n == 0 {
+        return Ok(true);
+    }
+    let stream = c.stream();
+    let (a_ptr, _ra) = a.device(OP, "a")?.device_ptr(stream);
+    let (w_ptr, _rw) = w.device(OP, "w")?.device_ptr(stream);
+    let (o_ptr, _ro) = out.device_mut(OP, "out")?.device_ptr_mut(stream);
+    let rule = c.gemm_rule();
+    let plan = match skinny_plan((m, n, k), (a_ptr, k), (w_ptr, k), device_limits(c), &rule) {
+        Some(plan) if c.uses_own_gemm() => plan,
+        _ => return Ok(false),
+    };
+    let g = DeviceGemm {
+        ldc: n / 2,
+        ..DeviceGemm::contiguous(m, n, k)
+    };
+    let dims = (
+        as_c_int(OP, "m", m)?,
+        as_c_int(OP, "n", n)?,
+        as_c_int(OP, "k", k)?,
+    );
+    // A block per 8 output features (their 8 gate and 8 up rows).
+    let plan = SkinnyPlan {
+        blocks: (n / 2).div_ceil(8),
+        ..plan
+    };
+    launch_skinny_entry(
+        c,
+        SWIGLU[plan.tiles_log2],
+        (a_ptr, w_ptr, o_ptr),
+        dims,
+        &g,
+        &plan,
+    )?;
+    Ok(true)
 }
 
 /// The `gemm` op on whole buffers (lengths already checked by `run_*`).

@@ -43,13 +43,15 @@
 pub(crate) mod cuda;
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) mod data;
-#[cfg(any(test, feature = "cuda"))]
+#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
 pub(crate) mod plan;
 pub(crate) mod reference;
 #[cfg(test)]
 mod tests;
 
 use half::bf16;
+
+pub use plan::SkinnyRule;
 
 #[cfg(any(test, feature = "conformance"))]
 use crate::Element;
@@ -71,7 +73,7 @@ pub struct GemmParams {
     pub k: usize,
 }
 
-fn validate(a: usize, w: usize, out: usize, p: &GemmParams) -> Result<()> {
+fn validate(a: usize, w: usize, (name, out): (&'static str, usize), p: &GemmParams) -> Result<()> {
     let GemmParams { m, n, k } = *p;
     check_param(OP, "k", k >= 1, k, || "k >= 1".into())?;
     for (name, v) in [("m", m), ("n", n), ("k", k)] {
@@ -89,7 +91,7 @@ fn validate(a: usize, w: usize, out: usize, p: &GemmParams) -> Result<()> {
     };
     check_len(OP, "a", a, prod(m, k, "m*k")?, || format!("[m={m}, k={k}]"))?;
     check_len(OP, "w", w, prod(n, k, "n*k")?, || format!("[n={n}, k={k}]"))?;
-    check_len(OP, "out", out, prod(m, n, "m*n")?, || {
+    check_len(OP, name, out, prod(m, n, "m*n")?, || {
         format!("[m={m}, n={n}]")
     })?;
     Ok(())
@@ -103,7 +105,7 @@ pub fn run_f32(
     out: &mut Buffer<f32>,
     p: &GemmParams,
 ) -> Result<()> {
-    validate(a.len(), w.len(), out.len(), p)?;
+    validate(a.len(), w.len(), ("out", out.len()), p)?;
     match be {
         Backend::Cpu => {
             reference::run_f32(
@@ -129,7 +131,7 @@ pub fn run_bf16(
     out: &mut Buffer<bf16>,
     p: &GemmParams,
 ) -> Result<()> {
-    validate(a.len(), w.len(), out.len(), p)?;
+    validate(a.len(), w.len(), ("out", out.len()), p)?;
     match be {
         Backend::Cpu => {
             reference::run_bf16(
@@ -144,6 +146,51 @@ pub fn run_bf16(
         }
         #[cfg(feature = "cuda")]
         Backend::Cuda(c) => cuda::run(c, a, w, out, p.m, p.n, p.k),
+    }
+}
+
+/// `out = swiglu(bf16_rne(A [gate; up]^T))`: the MLP's gate and up projections against the
+/// concatenated weight `w = [gate_proj; up_proj]` (`[2 I, k]`, `p.n = 2 I`) with the SwiGLU
+/// applied on the way out, `out[i, j] = bf16_rne(silu(G[i, j]) * U[i, j])` for `j < I`, where
+/// `G` and `U` are the two halves of [`run_bf16`]'s product (each sum rounded once to BF16)
+/// and silu is `swiglu`'s (see its contract). Bit for bit [`run_bf16`] into `[m, 2 I]`
+/// followed by `swiglu::run_fused` wherever both run the same product the same way.
+///
+/// `scratch` (`[m, 2 I]`) holds that intermediate product where the backend forms it: the
+/// CPU always, CUDA when the skinny kernel does not take the product (cuBLAS, then the
+/// `swiglu` kernel); where the skinny kernel takes it (`gemm::plan`), its SwiGLU epilogue
+/// writes `out` directly and `scratch` is not touched. Its contents after the call are
+/// unspecified. Refused (nothing written): an odd `p.n`, or any operand of the wrong length.
+pub fn run_swiglu(
+    be: &Backend,
+    a: &Buffer<bf16>,
+    w: &Buffer<bf16>,
+    scratch: &mut Buffer<bf16>,
+    out: &mut Buffer<bf16>,
+    p: &GemmParams,
+) -> Result<()> {
+    validate(a.len(), w.len(), ("scratch", scratch.len()), p)?;
+    check_param(OP, "n", p.n.is_multiple_of(2), p.n, || {
+        "an even n (the [gate; up] rows)".into()
+    })?;
+    let inter = p.n / 2;
+    check_len(OP, "out", out.len(), p.m * inter, || {
+        format!("[m={}, n/2={inter}]", p.m)
+    })?;
+    let sp = crate::swiglu::SwigluParams { rows: p.m, inter };
+    match be {
+        Backend::Cpu => {
+            run_bf16(be, a, w, scratch, p)?;
+            crate::swiglu::run_fused(be, scratch, out, &sp)
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(c) => {
+            if cuda::run_swiglu(c, a, w, out, p.m, p.n, p.k)? {
+                return Ok(());
+            }
+            run_bf16(be, a, w, scratch, p)?;
+            crate::swiglu::run_fused(be, scratch, out, &sp)
+        }
     }
 }
 
@@ -374,10 +421,11 @@ pub(crate) type CaseSpec = (
     Path,
 );
 
-/// The conformance cases: on CUDA the products `gemm::plan` gives the skinny kernel (m <= 16,
-/// n <= 2048, k % 32 == 0, 16-byte aligned rows: both n8-tile counts, n not a multiple of 16,
-/// fewer chunks a warp than ring stages, strides and accumulate, the drafts' B = 1 shapes),
-/// and around them cuBLAS (k 33, m 24 / 32 / 64 / 128, n 5120 / 6144 / 17408, an odd stride).
+/// The conformance cases: on CUDA the products `gemm::plan`'s default rule gives the skinny
+/// kernel (m <= 32, k % 32 == 0, 16-byte aligned rows: every n8-tile count, n not a multiple
+/// of 16, fewer chunks a warp than ring stages, strides and accumulate, grids of 8 and 16 warps
+/// a block, the drafts' B = 1 and 2 shapes up to the 27B MLP), and around them cuBLAS (k 33,
+/// m 64 / 128, an odd stride).
 #[cfg(any(test, feature = "conformance"))]
 #[rustfmt::skip]
 pub(crate) const CASES: [CaseSpec; 21] = {
@@ -387,7 +435,7 @@ pub(crate) const CASES: [CaseSpec; 21] = {
         ("odd_m3_n17_k33_bf16", (3, 17, 33), None, false, true, 2, false, Cublas),
         ("m1_n256_k512_bf16", (1, 256, 512), None, false, true, 3, false, Skinny),
         ("m8_n1000_k2048_f32", (8, 1000, 2048), None, false, false, 8, false, Skinny),
-        ("m24_n333_k96_bf16", (24, 333, 96), None, false, true, 9, false, Cublas),
+        ("m24_n333_k96_bf16", (24, 333, 96), None, false, true, 9, false, Skinny),
         ("m64_n520_k4096_bf16", (64, 520, 4096), None, false, true, 10, false, Cublas),
         ("m5_n40_k64_f32", (5, 40, 64), None, false, false, 11, false, Skinny),
         ("m13_n2048_k96_bf16", (13, 2048, 96), None, false, true, 18, false, Skinny),
@@ -399,11 +447,11 @@ pub(crate) const CASES: [CaseSpec; 21] = {
         ("strided_accumulate_m9_n70_k512_pad16_bf16", (9, 70, 512), Some(16), true, true, 14, false, Skinny),
         ("strided_unaligned_m4_n30_k64_pad3_bf16", (4, 30, 64), Some(3), false, true, 15, false, Cublas),
         ("m128_n1024_k2048_f32", (128, 1024, 2048), None, false, false, 4, true, Cublas),
-        ("m16_n6144_k2048_f32_35b_mlp", (16, 6144, 2048), None, false, false, 5, true, Cublas),
-        ("m16_n6144_k2048_bf16_35b_mlp", (16, 6144, 2048), None, false, true, 6, true, Cublas),
-        ("m16_n17408_k5120_bf16_27b_mlp", (16, 17408, 5120), None, false, true, 7, true, Cublas),
-        ("m16_n5120_k17408_bf16_27b_down", (16, 5120, 17408), None, false, true, 16, true, Cublas),
-        ("m32_n1024_k5120_f32_27b_kv", (32, 1024, 5120), None, false, false, 17, true, Cublas),
+        ("m16_n6144_k2048_f32_35b_mlp", (16, 6144, 2048), None, false, false, 5, true, Skinny),
+        ("m16_n6144_k2048_bf16_35b_mlp", (16, 6144, 2048), None, false, true, 6, true, Skinny),
+        ("m16_n17408_k5120_bf16_27b_mlp", (16, 17408, 5120), None, false, true, 7, true, Skinny),
+        ("m16_n5120_k17408_bf16_27b_down", (16, 5120, 17408), None, false, true, 16, true, Skinny),
+        ("m32_n1024_k5120_f32_27b_kv", (32, 1024, 5120), None, false, false, 17, true, Skinny),
     ]
 };
 
@@ -434,5 +482,102 @@ pub(crate) fn cases() -> Vec<Case> {
                 if heavy { c.heavy() } else { c }
             },
         )
+        .chain(SWIGLU_CASES.iter().map(|&(name, (m, n, k), seed, heavy)| {
+            let c = Case::new(OP, name, swiglu_case(m, n, k, seed));
+            if heavy { c.heavy() } else { c }
+        }))
         .collect()
+}
+
+/// One [`run_swiglu`] case: name, (m, n = 2 I, k), seed, heavy.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) type SwigluCase = (&'static str, (usize, usize, usize), u64, bool);
+
+/// The [`run_swiglu`] cases. On CUDA the first five take
+/// the skinny kernel's SwiGLU epilogue (m <= 32: each n8-tile count, I not a multiple of 8,
+/// the drafts' MLP shapes at B = 1 and 2), the last the unfused path (m = 40: cuBLAS, then
+/// the `swiglu` kernel).
+#[cfg(any(test, feature = "conformance"))]
+#[rustfmt::skip]
+pub(crate) const SWIGLU_CASES: [SwigluCase; 6] = [
+    ("swiglu_m5_n96_k64", (5, 96, 64), 41, false),
+    ("swiglu_m13_n70_k512", (13, 70, 512), 42, false),
+    ("swiglu_m32_n1000_k256", (32, 1000, 256), 43, false),
+    ("swiglu_m16_n12288_k2048_35b", (16, 12288, 2048), 44, true),
+    ("swiglu_m32_n34816_k5120_27b", (32, 34816, 5120), 45, true),
+    ("swiglu_m40_n256_k128_unfused", (40, 256, 128), 46, false),
+];
+
+/// A [`run_swiglu`] case. Outputs: `out` against the composition's f64 oracle (each half's
+/// sum rounded once to BF16, then silu(G) U rounded once), within what one BF16 flip of G or
+/// U moves it (`|silu'| <= 1.1`: `2.1 * 2^-8 * max|G| * max|U|`) plus one ulp of the output;
+/// and `agrees_with_unfused`, 1 per element where `out` equals, bit for bit, [`run_bf16`]
+/// followed by `swiglu::run_fused` on the same backend (exact: all ones).
+#[cfg(any(test, feature = "conformance"))]
+fn swiglu_case(
+    m: usize,
+    n: usize,
+    k: usize,
+    seed: u64,
+) -> impl Fn(&Backend) -> Result<CaseRun> + Send + Sync {
+    move |be: &Backend| {
+        let inter = n / 2;
+        let mut g = data::SplitMix::new(seed);
+        let a = g.bf16_vec(m * k, -2.0, 2.0);
+        let wscale = 2.0 / (k as f64).sqrt();
+        let w = g.bf16_vec(n * k, -wscale, wscale);
+        let prod = reference::matmul_f64(&a, &w, m, n, k);
+        let half_max = |off: usize| {
+            (0..m * inter)
+                .map(|i| crate::bf16_rne_f64(prod[(i / inter) * n + off + i % inter]).to_f64())
+                .fold(0.0f64, |x, v| x.max(v.abs()))
+        };
+        let (gmax, umax) = (half_max(0), half_max(inter));
+        let crit = Criterion::Close {
+            abs: 2.1 * (2.0f64).powi(-8) * gmax * umax,
+            rel: 0.0,
+            bf16_ulps: 1,
+        };
+        let p = GemmParams { m, n, k };
+        let mut inputs = InputCheck::default();
+        let ab = inputs.upload(be, "a", &a)?;
+        let wb = inputs.upload(be, "w", &w)?;
+        let mut scratch = be.filled(m * n, bf16::POISON)?;
+        let mut o = be.filled(m * inter, bf16::POISON)?;
+        run_swiglu(be, &ab, &wb, &mut scratch, &mut o, &p)?;
+        let fused = be.download(&o)?;
+        let mut o2 = be.filled(m * inter, bf16::POISON)?;
+        run_bf16(be, &ab, &wb, &mut scratch, &p)?;
+        crate::swiglu::run_fused(
+            be,
+            &scratch,
+            &mut o2,
+            &crate::swiglu::SwigluParams { rows: m, inter },
+        )?;
+        let unfused = be.download(&o2)?;
+        let agree: Vec<i32> = fused
+            .iter()
+            .zip(&unfused)
+            .map(|(x, y)| i32::from(x.to_bits() == y.to_bits()))
+            .collect();
+        let outs = vec![
+            output("out", crit, &vec![bf16::POISON; m * inter], &fused, |_| {
+                true
+            }),
+            output(
+                "agrees_with_unfused",
+                Criterion::Exact,
+                &vec![i32::POISON; m * inter],
+                &agree,
+                |_| true,
+            ),
+        ];
+        let mut modified = Vec::new();
+        inputs.verify(be, "a", &ab, &mut modified)?;
+        inputs.verify(be, "w", &wb, &mut modified)?;
+        Ok(CaseRun {
+            outputs: outs,
+            modified_inputs: modified,
+        })
+    }
 }

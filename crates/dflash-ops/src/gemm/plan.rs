@@ -9,11 +9,38 @@
 //! its A reads grow with m), cuBLAS is as fast or faster (up to 1.3x at 16 rows on the 27B
 //! MLP), so it keeps those.
 
-/// The most rows of A the skinny kernel takes (2 n8 tiles).
-pub(crate) const SKINNY_MAX_M: usize = 16;
+/// The most rows of A the skinny kernel can take (4 n8 tiles).
+pub(crate) const SKINNY_MAX_M: usize = 32;
 
-/// The most weight rows (`n`) the skinny kernel takes.
-pub(crate) const SKINNY_MAX_N: usize = 2048;
+/// Which products the skinny kernel takes and how many warps a block it runs them with: the
+/// backend's rule (`CudaBackend::set_gemm_rule`, for measurements; [`SkinnyRule::default`]
+/// otherwise), fixed for the backend's life unless set again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SkinnyRule {
+    /// The most rows of A it takes (clamped to 32, four n8 tiles).
+    pub max_m: usize,
+    /// The most weight rows (`n`) it takes.
+    pub max_n: usize,
+    /// Warps a block (at most 16) when the grid has at most twice as many blocks as the
+    /// device has SMs.
+    pub warps: usize,
+    /// Warps a block (at most 16) on larger grids, where smaller blocks let several share an
+    /// SM and hide each other's start and reduction.
+    pub warps_many: usize,
+}
+
+impl Default for SkinnyRule {
+    /// Every product of at most 32 rows (the drafts' B <= 2 blocks), 16 warps a block on
+    /// grids of at most two blocks an SM, 8 on larger ones.
+    fn default() -> Self {
+        SkinnyRule {
+            max_m: SKINNY_MAX_M,
+            max_n: usize::MAX,
+            warps: 16,
+            warps_many: 8,
+        }
+    }
+}
 
 /// Warps per block at most (`GEMM_MAX_WARPS` of the kernel, its launch bound).
 pub(crate) const MAX_WARPS: usize = 16;
@@ -31,7 +58,7 @@ pub(crate) fn warp_bytes(tiles: usize) -> usize {
 /// and the dynamic shared memory of a block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SkinnyPlan {
-    /// n8 tiles of A's rows: `1 << tiles_log2` (1 or 2).
+    /// n8 tiles of A's rows: `1 << tiles_log2` (1, 2 or 4).
     pub tiles_log2: usize,
     /// Blocks: one per 16 weight rows.
     pub blocks: usize,
@@ -41,40 +68,51 @@ pub(crate) struct SkinnyPlan {
     pub smem: usize,
 }
 
-/// The skinny kernel's plan for `C[m, n] (+)= A[m, k] W[n, k]^T` on a device whose blocks
-/// may use `smem_optin` bytes of shared memory, with A and W at device addresses `a` and `w`
-/// (bytes) and row strides `lda`, `ldw` (elements), or `None` where it does not take the
-/// product: no row or more than [`SKINNY_MAX_M`] rows, more than [`SKINNY_MAX_N`] weight
-/// rows, `k` not a multiple of 32, A or W not 16-byte aligned at every row (address and
-/// stride), or not even one warp's ring fitting. Every other product `gemm_bf16_device`
-/// accepts (it checked the spans), it takes: the fewest n8 tiles that hold m rows, a block
-/// per 16 weight rows (at most 128 blocks, so as many warps as the shared memory, the launch
-/// bound and the 32-element chunks of the reduction axis allow: they split it).
+/// The skinny kernel's plan for `C[m, n] (+)= A[m, k] W[n, k]^T` under `rule` on a device of
+/// `sm_count` SMs whose blocks may use `smem_optin` bytes of shared memory, with A and W at
+/// device addresses `a` and `w` (bytes) and row strides `lda`, `ldw` (elements), or `None`
+/// where it does not take the product: no row or more rows than the rule's `max_m` (or 32),
+/// more weight rows than its `max_n`, `k` not a multiple of 32, A or W not 16-byte aligned at
+/// every row (address and stride), or not even one warp's ring fitting. Every other product
+/// `gemm_bf16_device` accepts (it checked the spans), it takes: the fewest n8 tiles (1, 2 or
+/// 4) that hold m rows, a block per 16 weight rows, and the rule's warps for that many blocks,
+/// no more than the shared memory, the launch bound and the 32-element chunks of the
+/// reduction axis allow (the warps split it).
 pub(crate) fn skinny_plan(
     (m, n, k): (usize, usize, usize),
     (a, lda): (u64, usize),
     (w, ldw): (u64, usize),
-    smem_optin: usize,
+    (sm_count, smem_optin): (usize, usize),
+    rule: &SkinnyRule,
 ) -> Option<SkinnyPlan> {
     let aligned = |addr: u64, ld: usize| addr.is_multiple_of(16) && ld.is_multiple_of(8);
     if m == 0
-        || m > SKINNY_MAX_M
-        || n > SKINNY_MAX_N
+        || m > rule.max_m.min(SKINNY_MAX_M)
+        || n > rule.max_n
         || !k.is_multiple_of(32)
         || !aligned(a, lda)
         || !aligned(w, ldw)
     {
         return None;
     }
-    let tiles = m.div_ceil(8);
+    let tiles = m.div_ceil(8).next_power_of_two();
     let per_warp = warp_bytes(tiles);
-    let warps = MAX_WARPS.min(smem_optin / per_warp).min(k / 32);
+    let blocks = n.div_ceil(16);
+    let wanted = if blocks <= 2 * sm_count {
+        rule.warps
+    } else {
+        rule.warps_many
+    };
+    let warps = wanted
+        .clamp(1, MAX_WARPS)
+        .min(smem_optin / per_warp)
+        .min(k / 32);
     if warps == 0 {
         return None;
     }
     Some(SkinnyPlan {
         tiles_log2: tiles.trailing_zeros() as usize,
-        blocks: n.div_ceil(16),
+        blocks,
         warps,
         smem: warps * per_warp,
     })

@@ -109,6 +109,76 @@ fn bad_shapes_are_refused_without_writing() {
     );
 }
 
+/// `run_swiglu` is `run_bf16` then `swiglu::run_fused`, bit for bit, on the CPU (hand-checked
+/// on one element), and refuses an odd n or a wrong scratch / out length before writing.
+#[test]
+fn swiglu_form_is_the_product_then_the_fused_swiglu() {
+    let be = Backend::cpu();
+    let (m, n, k) = (3, 8, 4);
+    // A = [[1, 0, 0, 0], ...], gate row 0 = [2, 0, 0, 0], up row 0 (= weight row 4) = [3, 0, 0, 0].
+    let mut av = vec![0.0f32; m * k];
+    av[0] = 1.0;
+    av[k + 1] = -1.5;
+    av[2 * k + 3] = 0.25;
+    let mut wv: Vec<f32> = (0..n * k)
+        .map(|i| ((i * 7) % 11) as f32 * 0.125 - 0.5)
+        .collect();
+    wv[..k].copy_from_slice(&[2.0, 0.0, 0.0, 0.0]);
+    wv[4 * k..5 * k].copy_from_slice(&[3.0, 0.0, 0.0, 0.0]);
+    let a = be.upload(&b(&av)).expect("upload");
+    let w = be.upload(&b(&wv)).expect("upload");
+    let p = GemmParams { m, n, k };
+    let mut scratch = be.filled(m * n, bf16::POISON).expect("alloc");
+    let mut out = be.filled(m * n / 2, bf16::POISON).expect("alloc");
+    run_swiglu(&be, &a, &w, &mut scratch, &mut out, &p).expect("swiglu form");
+    let got = be.download(&out).expect("dl");
+    // out[0, 0] = silu(2) * 3 = 6 / (1 + e^-2) = 5.2838..., rounded to BF16.
+    assert_eq!(got[0], crate::bf16_rne_f64(6.0 / (1.0 + (-2.0f64).exp())));
+    let mut prod = be.filled(m * n, bf16::POISON).expect("alloc");
+    run_bf16(&be, &a, &w, &mut prod, &p).expect("product");
+    let mut want = be.filled(m * n / 2, bf16::POISON).expect("alloc");
+    let sp = crate::swiglu::SwigluParams {
+        rows: m,
+        inter: n / 2,
+    };
+    crate::swiglu::run_fused(&be, &prod, &mut want, &sp).expect("swiglu");
+    let want = be.download(&want).expect("dl");
+    assert!(
+        got.iter()
+            .zip(&want)
+            .all(|(x, y)| x.to_bits() == y.to_bits())
+    );
+
+    let poisoned = |out: &Buffer<bf16>| {
+        be.download(out)
+            .expect("dl")
+            .iter()
+            .all(|x| x.to_bits() == bf16::POISON.to_bits())
+    };
+    let mut out = be.filled(m * n / 2, bf16::POISON).expect("alloc");
+    let odd = GemmParams { m, n: 7, k };
+    let mut s7 = be.filled(m * 7, bf16::POISON).expect("alloc");
+    let w7 = be.upload(&b(&wv[..7 * k])).expect("upload");
+    let e = run_swiglu(&be, &a, &w7, &mut s7, &mut out, &odd).expect_err("odd n");
+    assert!(matches!(e, OpsError::Param { param: "n", .. }), "{e}");
+    let mut short = be.filled(m * n - 1, bf16::POISON).expect("alloc");
+    let e = run_swiglu(&be, &a, &w, &mut short, &mut out, &p).expect_err("scratch");
+    assert!(
+        matches!(
+            e,
+            OpsError::Length {
+                tensor: "scratch",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut long = be.filled(m * n / 2 + 1, bf16::POISON).expect("alloc");
+    let e = run_swiglu(&be, &a, &w, &mut scratch, &mut long, &p).expect_err("out");
+    assert!(matches!(e, OpsError::Length { tensor: "out", .. }), "{e}");
+    assert!(poisoned(&out) && poisoned(&long) && poisoned(&short));
+}
+
 #[test]
 fn empty_product_writes_nothing_and_succeeds() {
     let be = Backend::cpu();
@@ -205,28 +275,30 @@ fn reference_is_independent_of_the_worker_count() {
 
 /// The skinny kernel's plan: which products it takes, with which entry and how many warps.
 #[test]
-fn skinny_plan_takes_aligned_products_of_few_rows_on_small_weights() {
-    use super::plan::{SKINNY_MAX_M, SKINNY_MAX_N, SkinnyPlan, skinny_plan};
-    let optin = 232_448; // H200: shared memory a block may use
-    let plan = |m, n, k, a, lda, w, ldw| skinny_plan((m, n, k), (a, lda), (w, ldw), optin);
+fn skinny_plan_takes_aligned_products_of_few_rows() {
+    use super::plan::{SKINNY_MAX_M, SkinnyPlan, SkinnyRule, skinny_plan};
+    let dev = (132, 232_448); // H200: SMs, shared memory a block may use
+    let rule = SkinnyRule::default();
+    let plan = |m, n, k, a, lda, w, ldw| skinny_plan((m, n, k), (a, lda), (w, ldw), dev, &rule);
     let taken = |m, n, k| plan(m, n, k, 0, k, 0, k).expect("taken by the skinny kernel");
-    // Refused: no rows, too many rows, too many weight rows, k not a multiple of 32,
-    // misaligned address or stride.
+    // Refused: no rows, too many rows, k not a multiple of 32, misaligned address or stride.
     assert_eq!(plan(0, 64, 64, 0, 64, 0, 64), None);
     assert_eq!(plan(SKINNY_MAX_M + 1, 64, 64, 0, 64, 0, 64), None);
-    assert_eq!(plan(16, SKINNY_MAX_N + 1, 64, 0, 64, 0, 64), None);
     assert_eq!(plan(16, 64, 48, 0, 48, 0, 48), None);
     assert_eq!(plan(16, 64, 64, 8, 64, 0, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 64, 2, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 68, 0, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 64, 0, 76), None);
-    // Entries by n8 tiles: m 1..8 -> 1 tile, 9..16 -> 2.
-    for (m, log2) in [(1, 0), (8, 0), (9, 1), (16, 1)] {
-        let p = plan(m, 2048, 2048, 256, 2048, 4096, 2048).expect("aligned, m <= 16");
+    // The default rule takes every weight (the 27B's fused gate/up included).
+    assert!(plan(32, 34816, 5120, 0, 5120, 0, 5120).is_some());
+    // Entries by n8 tiles: m 1..8 -> 1 tile, 9..16 -> 2, 17..32 -> 4 (never 3).
+    for (m, log2) in [(1, 0), (8, 0), (9, 1), (16, 1), (17, 2), (24, 2), (32, 2)] {
+        let p = plan(m, 2048, 2048, 256, 2048, 4096, 2048).expect("aligned, m <= 32");
         assert_eq!(p.tiles_log2, log2, "m = {m}");
     }
-    // A block per 16 weight rows (rounding up), 16 warps where the reduction axis has at
-    // least 16 chunks, each warp a 4-stage ring of 2 + NT slots of 512 bytes.
+    // A block per 16 weight rows (rounding up), 16 warps on grids of at most two blocks an
+    // SM where the reduction axis has at least 16 chunks, each warp a 4-stage ring of 2 + NT
+    // slots of 512 bytes.
     assert_eq!(
         taken(16, 1024, 2048),
         SkinnyPlan {
@@ -237,15 +309,47 @@ fn skinny_plan_takes_aligned_products_of_few_rows_on_small_weights() {
         }
     );
     assert_eq!(taken(16, 1001, 2048).blocks, 63);
+    assert_eq!(taken(16, 16 * 264, 2048).warps, 16);
+    // Larger grids: the rule's warps_many.
+    assert_eq!(taken(16, 16 * 265, 2048).warps, 8);
+    assert_eq!(taken(16, 12288, 2048).warps, 8);
     // Never more warps than chunks, nor than rings fit in the block's shared memory; none
     // when not one fits.
     assert_eq!(taken(16, 1000, 96).warps, 3);
-    let small = skinny_plan((16, 1024, 2048), (0, 2048), (0, 2048), 100 * 1024).expect("fits");
+    let small = skinny_plan(
+        (16, 1024, 2048),
+        (0, 2048),
+        (0, 2048),
+        (132, 100 * 1024),
+        &rule,
+    )
+    .expect("fits");
     assert_eq!(small.warps, 100 * 1024 / (4 * 4 * 512));
     assert_eq!(
-        skinny_plan((16, 1024, 2048), (0, 2048), (0, 2048), 1024),
+        skinny_plan((16, 1024, 2048), (0, 2048), (0, 2048), (132, 1024), &rule),
         None
     );
+    // Another rule: its row and weight-row limits, its warps (clamped to 1..=16).
+    let narrow = SkinnyRule {
+        max_m: 16,
+        max_n: 2048,
+        warps: 40,
+        warps_many: 0,
+    };
+    let with = |m, n, r: &SkinnyRule| skinny_plan((m, n, 2048), (0, 2048), (0, 2048), dev, r);
+    assert_eq!(with(17, 64, &narrow), None);
+    assert_eq!(with(16, 2049, &narrow), None);
+    assert_eq!(with(16, 2048, &narrow).map(|p| p.warps), Some(16));
+    let wide = SkinnyRule {
+        max_n: usize::MAX,
+        ..narrow
+    };
+    assert_eq!(with(16, 65536, &wide).map(|p| p.warps), Some(1));
+    let over = SkinnyRule {
+        max_m: 64,
+        ..SkinnyRule::default()
+    };
+    assert_eq!(with(33, 64, &over), None, "never more than 32 rows");
 }
 
 /// The plan mirrors the kernel's constants: its launch bound and its ring depth.
@@ -274,10 +378,10 @@ fn skinny_plan_mirrors_the_kernel_constants() {
 fn the_conformance_cases_cover_both_sides_of_the_plan() {
     use super::Path;
     use super::plan::skinny_plan;
-    let optin = 232_448;
+    let rule = super::SkinnyRule::default();
     for (name, (m, n, k), pad, .., path) in super::CASES {
         let ld = k + pad.unwrap_or(0);
-        let takes = skinny_plan((m, n, k), (0, ld), (0, ld), optin).is_some();
+        let takes = skinny_plan((m, n, k), (0, ld), (0, ld), (132, 232_448), &rule).is_some();
         assert_eq!(takes, path == Path::Skinny, "{name}");
     }
     for side in [Path::Skinny, Path::Cublas] {
