@@ -28,16 +28,21 @@
 //! accumulate (`beta = 1`), for the launchers of the other ops.
 //!
 //! CUDA. Two implementations, chosen per product by `gemm::plan::skinny_plan` from its shape,
-//! the alignment of its operands and the device's shared memory (so the same shape at the
-//! same alignment on the same device always takes the same one, with the same bits): the
-//! skinny kernel of `kernels/gemm.cu` for at most 16 rows on a weight of at most 2048 rows
-//! (k a multiple of 32, A and W rows 16-byte aligned): a block per 16 weight rows, its warps
-//! splitting the reduction in interleaved 32-element chunks through per-warp cp.async rings,
-//! mma.sync with FP32 accumulation, the warps' partial sums added in warp order
-//! (deterministic), one rounding at the store; and cuBLAS (`cublasGemmEx`,
-//! `CUBLAS_COMPUTE_32F`) for every other product, or every product under
-//! `CudaOptions { gemm: GemmKernels::Cublas }`. The rule is the measured one of `plan.rs`.
-//! Both keep the comparison above (FP32 accumulation of BF16 products).
+//! the alignment of its operands, the device (SMs, shared memory) and the backend's
+//! [`SkinnyRule`] (so the same shape at the same alignment on the same device under the same
+//! rule always takes the same one, with the same bits): the skinny kernel of
+//! `kernels/gemm.cu` for at most 32 rows (k a multiple of 32, A and W rows 16-byte aligned;
+//! the default rule takes every weight): a block per 16 weight rows, its warps splitting the
+//! reduction in interleaved 32-element chunks through per-warp cp.async rings, mma.sync with
+//! FP32 accumulation, the warps' partial sums added in warp order (deterministic), one
+//! rounding at the store; launched (compute capability 9.0 and later) as a programmatic
+//! dependent of the kernel ahead, its blocks prefetch the head of their weight rows into the
+//! L2 before they wait for it (a prefetch returns nothing, so nothing is read early); and
+//! cuBLAS (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`) for every other product, or every product
+//! under `CudaOptions { gemm: GemmKernels::Cublas }`. Both keep the comparison above (FP32
+//! accumulation of BF16 products). [`run_swiglu`] takes the skinny kernel's SwiGLU epilogue
+//! wherever the plan takes its product (a block per 8 output features holds their gate and
+//! up rows), else cuBLAS into the scratch and the `swiglu` kernel.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

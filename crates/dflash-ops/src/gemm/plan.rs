@@ -1,13 +1,13 @@
 //! When the `gemm` op's own skinny kernel (`kernels/gemm.cu`) takes a product, and how it
 //! runs it (pure arithmetic on shapes and addresses; the CUDA launcher in `cuda.rs` asks).
 //!
-//! The rule is measured, not guessed (`dflash-bench --only gemm` on the H200,
-//! `docs/performance-gemm.md`): at 8 and 16 rows the skinny kernel beats or ties cuBLAS on
-//! weights of at most 2048 rows, where cuBLAS has too few tiles to spread over the SMs (the
-//! drafts' k / v projections: 1.0-2.2 us saved of 5.7-7.9; the 35B-A3B's o: 0.7-1.7 of 8.9;
-//! its down: 1.8 of 11.2 at 8 rows, a tie at 16); on larger weights, and at more rows (where
-//! its A reads grow with m), cuBLAS is as fast or faster (up to 1.3x at 16 rows on the 27B
-//! MLP), so it keeps those.
+//! The rule is measured, not guessed (`dflash-bench --only gemm [--gemm-rule ...]` on the
+//! H200, `docs/performance-gemm.md`). Until 1e0e7a6 the kernel took at most 16 rows on
+//! weights of at most 2048 rows, where cuBLAS has too few tiles to spread over the SMs, and
+//! cuBLAS everything else. Since then it is launched as a programmatic dependent that
+//! prefetches its weight rows into the L2 before it waits for the kernel ahead, takes up to
+//! 32 rows, and [`SkinnyRule::default`] gives it every weight, with 8 warps a block on grids
+//! larger than two blocks an SM (so that several blocks share an SM).
 
 /// The most rows of A the skinny kernel can take (4 n8 tiles).
 pub(crate) const SKINNY_MAX_M: usize = 32;
