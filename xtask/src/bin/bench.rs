@@ -3,13 +3,13 @@
 //! graphs and timed with CUDA events, against the memory floor.
 //!
 //! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING] [--shape B,K,CTX]
-//! [--portable] [--gemm-rule M,N,W,WMANY]`:
+//! [--portable] [--gemm-rule M,N,W,WMANY,DEP]`:
 //! prints a table and writes `DIR/performance.json` (an array of `{"op", "draft", "B", "K",
 //! "context", "median_us", "floor_us"}`) and `DIR/performance.md`. `--portable` restricts the
 //! backend to the portable kernel variants (no sm_90a variants of the heads and attention), for
 //! comparison. `--gemm-rule` sets the skinny GEMM's rule (`gemm::SkinnyRule`: the most rows,
 //! the most weight rows, warps a block on grids of at most two blocks an SM and on larger
-//! ones) instead of the default, to measure another.
+//! ones, 1 to launch it as a dependent or 0) instead of the default, to measure another.
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
 //! `--only SUBSTRING` keeps the groups whose name contains it: `attention`, `head`, `gemm`
 //! (its own report, below), `block`, `round` (`--only round`: the round rows alone, over B in
@@ -1015,21 +1015,22 @@ fn main() -> Result<()> {
         ..Default::default()
     };
     let cuda = CudaBackend::with_options(0, options).context("opening CUDA device 0")?;
-    // `--gemm-rule M,N,W,WMANY`: the skinny GEMM's rule instead of the default (measurements).
+    // `--gemm-rule M,N,W,WMANY,DEP`: the skinny GEMM's rule instead of the default.
     if let Some(v) = value("--gemm-rule")? {
         let n: Vec<usize> = v
             .split(',')
             .map(|x| x.trim().parse::<usize>())
             .collect::<std::result::Result<_, _>>()
-            .map_err(|e| anyhow!("--gemm-rule {v}: expected M,N,W,WMANY as integers ({e})"))?;
-        let [max_m, max_n, warps, warps_many] = n[..] else {
-            bail!("--gemm-rule {v}: expected four integers M,N,W,WMANY");
+            .map_err(|e| anyhow!("--gemm-rule {v}: expected M,N,W,WMANY,DEP as integers ({e})"))?;
+        let [max_m, max_n, warps, warps_many, dep @ (0 | 1)] = n[..] else {
+            bail!("--gemm-rule {v}: expected five integers M,N,W,WMANY,DEP (DEP 0 or 1)");
         };
         cuda.set_gemm_rule(gemm::SkinnyRule {
             max_m,
             max_n,
             warps,
             warps_many,
+            dependent: dep == 1,
         });
     }
     let out = value("--out")?;

@@ -301,7 +301,16 @@ fn launch_skinny_entry(
     // (the op's contract; the kernel's pointers are `__restrict__`); the shared memory is
     // the warps' cp.async rings (`GemmCfg::WARP_BYTES` each), which the reduction's
     // `[warps][NT][4][32]` floats reuse, within the limit `kernel` raised the entry to.
-    unsafe { c.launch_ex(&kernel.func, cfg, &mut args, name, true, 1) }
+    unsafe {
+        c.launch_ex(
+            &kernel.func,
+            cfg,
+            &mut args,
+            name,
+            c.gemm_rule().dependent,
+            1,
+        )
+    }
 }
 
 /// `gemm::run_swiglu` on CUDA where the skinny kernel takes the product (its SwiGLU

@@ -399,6 +399,36 @@ fn strided_case<T: RoundedOut>(
     }
 }
 
+/// The rule the `gemm` conformance cases run under on CUDA: the default's warps and launch,
+/// every weight up to 32 rows, so that the skinny kernel's every entry (1, 2 and 4 n8 tiles,
+/// the SwiGLU epilogue, 8- and 16-warp blocks) meets the oracle, not only the products the
+/// default rule gives it.
+#[cfg(any(test, feature = "conformance"))]
+pub(crate) fn conformance_rule() -> SkinnyRule {
+    SkinnyRule {
+        max_m: plan::SKINNY_MAX_M,
+        max_n: usize::MAX,
+        ..SkinnyRule::default()
+    }
+}
+
+/// Run `f` with the backend's GEMM rule set to [`conformance_rule`] (CUDA; the CPU has none),
+/// restoring the backend's own rule after it.
+#[cfg(any(test, feature = "conformance"))]
+fn under_conformance_rule<R>(be: &Backend, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    match be {
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(c) => {
+            let own = c.gemm_rule();
+            c.set_gemm_rule(conformance_rule());
+            let r = f();
+            c.set_gemm_rule(own);
+            r
+        }
+        _ => f(),
+    }
+}
+
 /// Which implementation a case exercises on CUDA (at 16-byte aligned addresses), as
 /// `gemm::plan` decides; `tests::the_conformance_cases_cover_both_sides_of_the_plan` checks
 /// every row of [`CASES`] against the plan.
@@ -426,8 +456,8 @@ pub(crate) type CaseSpec = (
     Path,
 );
 
-/// The conformance cases: on CUDA the products `gemm::plan`'s default rule gives the skinny
-/// kernel (m <= 32, k % 32 == 0, 16-byte aligned rows: every n8-tile count, n not a multiple
+/// The conformance cases: on CUDA (under [`conformance_rule`]) the products `gemm::plan` gives
+/// the skinny kernel (m <= 32, k % 32 == 0, 16-byte aligned rows: every n8-tile count, n not a multiple
 /// of 16, fewer chunks a warp than ring stages, strides and accumulate, grids of 8 and 16 warps
 /// a block, the drafts' B = 1 and 2 shapes up to the 27B MLP), and around them cuBLAS (k 33,
 /// m 64 / 128, an odd stride).
@@ -468,7 +498,12 @@ pub(crate) fn cases() -> Vec<Case> {
         .map(
             |&(name, (m, n, k), pad, accumulate, bf16_out, seed, heavy, _)| {
                 let c = match pad {
-                    None => Case::new(OP, name, case(m, n, k, seed, bf16_out)),
+                    None => {
+                        let run = case(m, n, k, seed, bf16_out);
+                        Case::new(OP, name, move |be: &Backend| {
+                            under_conformance_rule(be, || run(be))
+                        })
+                    }
                     Some(pad) => {
                         let s = Strided {
                             m,
@@ -478,9 +513,15 @@ pub(crate) fn cases() -> Vec<Case> {
                             accumulate,
                         };
                         if bf16_out {
-                            Case::new(OP, name, strided_case::<bf16>(s, seed))
+                            let run = strided_case::<bf16>(s, seed);
+                            Case::new(OP, name, move |be: &Backend| {
+                                under_conformance_rule(be, || run(be))
+                            })
                         } else {
-                            Case::new(OP, name, strided_case::<f32>(s, seed))
+                            let run = strided_case::<f32>(s, seed);
+                            Case::new(OP, name, move |be: &Backend| {
+                                under_conformance_rule(be, || run(be))
+                            })
                         }
                     }
                 };
@@ -488,7 +529,10 @@ pub(crate) fn cases() -> Vec<Case> {
             },
         )
         .chain(SWIGLU_CASES.iter().map(|&(name, (m, n, k), seed, heavy)| {
-            let c = Case::new(OP, name, swiglu_case(m, n, k, seed));
+            let run = swiglu_case(m, n, k, seed);
+            let c = Case::new(OP, name, move |be: &Backend| {
+                under_conformance_rule(be, || run(be))
+            });
             if heavy { c.heavy() } else { c }
         }))
         .collect()

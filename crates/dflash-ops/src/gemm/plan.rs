@@ -2,12 +2,11 @@
 //! runs it (pure arithmetic on shapes and addresses; the CUDA launcher in `cuda.rs` asks).
 //!
 //! The rule is measured, not guessed (`dflash-bench --only gemm [--gemm-rule ...]` on the
-//! H200, `docs/performance-gemm.md`). Until 1e0e7a6 the kernel took at most 16 rows on
-//! weights of at most 2048 rows, where cuBLAS has too few tiles to spread over the SMs, and
-//! cuBLAS everything else. Since then it is launched as a programmatic dependent that
-//! prefetches its weight rows into the L2 before it waits for the kernel ahead, takes up to
-//! 32 rows, and [`SkinnyRule::default`] gives it every weight, with 8 warps a block on grids
-//! larger than two blocks an SM (so that several blocks share an SM).
+//! H200, `docs/performance-gemm.md`): at 8 and 16 rows the skinny kernel beats or ties cuBLAS
+//! on weights of at most 2048 rows, where cuBLAS has too few tiles to spread over the SMs;
+//! on wider weights and at more rows cuBLAS is faster, even with several 8-warp blocks an SM
+//! (see [`SkinnyRule::default`]). The kernel can take up to 32 rows and any weight under
+//! another rule (`CudaBackend::set_gemm_rule`, `dflash-bench --gemm-rule`).
 
 /// The most rows of A the skinny kernel can take (4 n8 tiles).
 pub(crate) const SKINNY_MAX_M: usize = 32;
@@ -27,17 +26,26 @@ pub struct SkinnyRule {
     /// Warps a block (at most 16) on larger grids, where smaller blocks let several share an
     /// SM and hide each other's start and reduction.
     pub warps_many: usize,
+    /// Launch it as a programmatic dependent of the kernel ahead (compute capability 9.0 and
+    /// later, where the backend launches dependents at all), so that its weight prefetch
+    /// overlaps that kernel's end.
+    pub dependent: bool,
 }
 
 impl Default for SkinnyRule {
-    /// Every product of at most 32 rows (the drafts' B <= 2 blocks), 16 warps a block on
-    /// grids of at most two blocks an SM, 8 on larger ones.
+    /// The measured rule: at most 16 rows on weights of at most 2048 rows (the drafts' k / v,
+    /// o and 35B-A3B down projections at B = 1), 16 warps a block, launched as a dependent.
+    /// Wider weights and 17-32 rows stay with cuBLAS: under the same run's measurement (H100,
+    /// 1e0e7a6) the skinny kernel took 1.1-1.4x cuBLAS's time there (27B gate/up at 16 rows:
+    /// 147.0 against 130.5 us; the 35B-A3B's: 26.2 against 21.6), so its SwiGLU epilogue is
+    /// left to rules that give it those weights.
     fn default() -> Self {
         SkinnyRule {
-            max_m: SKINNY_MAX_M,
-            max_n: usize::MAX,
+            max_m: 16,
+            max_n: 2048,
             warps: 16,
             warps_many: 8,
+            dependent: true,
         }
     }
 }

@@ -280,7 +280,6 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
     let dev = (132, 232_448); // H200: SMs, shared memory a block may use
     let rule = SkinnyRule::default();
     let plan = |m, n, k, a, lda, w, ldw| skinny_plan((m, n, k), (a, lda), (w, ldw), dev, &rule);
-    let taken = |m, n, k| plan(m, n, k, 0, k, 0, k).expect("taken by the skinny kernel");
     // Refused: no rows, too many rows, k not a multiple of 32, misaligned address or stride.
     assert_eq!(plan(0, 64, 64, 0, 64, 0, 64), None);
     assert_eq!(plan(SKINNY_MAX_M + 1, 64, 64, 0, 64, 0, 64), None);
@@ -289,7 +288,18 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
     assert_eq!(plan(16, 64, 64, 0, 64, 2, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 68, 0, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 64, 0, 76), None);
-    // The default rule takes every weight (the 27B's fused gate/up included).
+    // The default rule: at most 16 rows, at most 2048 weight rows.
+    assert_eq!(plan(17, 64, 64, 0, 64, 0, 64), None);
+    assert_eq!(plan(16, 2049, 64, 0, 64, 0, 64), None);
+    let all = SkinnyRule {
+        max_m: 32,
+        max_n: usize::MAX,
+        ..rule
+    };
+    assert_eq!(all, super::conformance_rule());
+    let plan = |m, n, k, a, lda, w, ldw| skinny_plan((m, n, k), (a, lda), (w, ldw), dev, &all);
+    let taken = |m, n, k| plan(m, n, k, 0, k, 0, k).expect("taken by the skinny kernel");
+    // A rule that gives it every weight up to 32 rows (the 27B's fused gate/up included).
     assert!(plan(32, 34816, 5120, 0, 5120, 0, 5120).is_some());
     // Entries by n8 tiles: m 1..8 -> 1 tile, 9..16 -> 2, 17..32 -> 4 (never 3).
     for (m, log2) in [(1, 0), (8, 0), (9, 1), (16, 1), (17, 2), (24, 2), (32, 2)] {
@@ -326,7 +336,7 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
     .expect("fits");
     assert_eq!(small.warps, 100 * 1024 / (4 * 4 * 512));
     assert_eq!(
-        skinny_plan((16, 1024, 2048), (0, 2048), (0, 2048), (132, 1024), &rule),
+        skinny_plan((16, 1024, 2048), (0, 2048), (0, 2048), (132, 1024), &all),
         None
     );
     // Another rule: its row and weight-row limits, its warps (clamped to 1..=16).
@@ -335,6 +345,7 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
         max_n: 2048,
         warps: 40,
         warps_many: 0,
+        dependent: true,
     };
     let with = |m, n, r: &SkinnyRule| skinny_plan((m, n, 2048), (0, 2048), (0, 2048), dev, r);
     assert_eq!(with(17, 64, &narrow), None);
@@ -378,7 +389,9 @@ fn skinny_plan_mirrors_the_kernel_constants() {
 fn the_conformance_cases_cover_both_sides_of_the_plan() {
     use super::Path;
     use super::plan::skinny_plan;
-    let rule = super::SkinnyRule::default();
+    // The cases name their path under a rule that takes every weight up to 32 rows (the
+    // conformance run sets it for the gemm cases, see `gemm::conformance_rule`).
+    let rule = super::conformance_rule();
     for (name, (m, n, k), pad, .., path) in super::CASES {
         let ld = k + pad.unwrap_or(0);
         let takes = skinny_plan((m, n, k), (0, ld), (0, ld), (132, 232_448), &rule).is_some();
