@@ -403,7 +403,7 @@ fn strided_case<T: RoundedOut>(
 /// every weight up to 32 rows, so that the skinny kernel's every entry (1, 2 and 4 n8 tiles,
 /// the SwiGLU epilogue, 8- and 16-warp blocks) meets the oracle, not only the products the
 /// default rule gives it.
-#[cfg(any(test, feature = "conformance"))]
+#[cfg(any(test, all(feature = "conformance", feature = "cuda")))]
 pub(crate) fn conformance_rule() -> SkinnyRule {
     SkinnyRule {
         max_m: plan::SKINNY_MAX_M,
