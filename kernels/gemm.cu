@@ -33,7 +33,8 @@
 // per output element stores it: F32 as is, BF16 rounded once (RNE); with `accumulate`, the
 // old C element (as F32) is added to the sum before that rounding, as cuBLAS does for beta = 1.
 //
-// Entries gemm_skinny_nt{1,2,4}_{f32,bf16}: NT = 1 for m <= 8, 2 for m <= 16, 4 for m <= 32.
+// Entries gemm_skinny_nt{1,2,4}_{f32,bf16} and gemm_skinny_swiglu_nt{1,2,4} (BF16 out, see SWIGLU
+// below): NT = 1 for m <= 8, 2 for m <= 16, 4 for m <= 32.
 
 __device__ __forceinline__ float gemm_load_out(const float* p) { return *p; }
 __device__ __forceinline__ float gemm_load_out(const __nv_bfloat16* p) { return bf2f(*p); }

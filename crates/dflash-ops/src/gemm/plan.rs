@@ -36,7 +36,7 @@ impl Default for SkinnyRule {
     /// The measured rule: at most 16 rows on weights of at most 2048 rows (the drafts' k / v,
     /// o and 35B-A3B down projections at B = 1), 16 warps a block, launched as a dependent.
     /// Wider weights and 17-32 rows stay with cuBLAS: under the same run's measurement (H100,
-    /// 1e0e7a6) the skinny kernel took 1.1-1.4x cuBLAS's time there (27B gate/up at 16 rows:
+    /// 1e0e7a6, `docs/performance-gemm-rules-h100.md`) the skinny kernel took 1.1-1.4x cuBLAS's time there (27B gate/up at 16 rows:
     /// 147.0 against 130.5 us; the 35B-A3B's: 26.2 against 21.6), so its SwiGLU epilogue is
     /// left to rules that give it those weights.
     fn default() -> Self {
