@@ -26,7 +26,7 @@
 // prefetch only moves lines into the L2, the device's point of coherence, and returns
 // nothing: whoever wrote W, every value the kernel uses is read after the wait, so the
 // contract asks nothing of the caller. The kernel lets its own dependents launch once its
-// reduction loop is done.
+// main loop is done (before the warps' reduction and the stores).
 
 // Reduction. Each warp's FP32 partial sums go to shared memory and are added in warp order
 // (fixed, so the result is deterministic and does not depend on the grid), then one thread

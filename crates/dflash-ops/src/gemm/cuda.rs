@@ -301,16 +301,7 @@ fn launch_skinny_entry(
     // (the op's contract; the kernel's pointers are `__restrict__`); the shared memory is
     // the warps' cp.async rings (`GemmCfg::WARP_BYTES` each), which the reduction's
     // `[warps][NT][4][32]` floats reuse, within the limit `kernel` raised the entry to.
-    unsafe {
-        c.launch_ex(
-            &kernel.func,
-            cfg,
-            &mut args,
-            name,
-            c.gemm_rule().dependent,
-            1,
-        )
-    }
+    unsafe { c.launch_ex(&kernel.func, cfg, &mut args, name, plan.dependent, 1) }
 }
 
 /// `gemm::run_swiglu` on CUDA where the skinny kernel takes the product (its SwiGLU
@@ -329,14 +320,18 @@ pub(super) fn run_swiglu(
     if m == 0 || n == 0 {
         return Ok(true);
     }
+    if !c.uses_own_gemm() {
+        return Ok(false);
+    }
     let stream = c.stream();
     let (a_ptr, _ra) = a.device(OP, "a")?.device_ptr(stream);
     let (w_ptr, _rw) = w.device(OP, "w")?.device_ptr(stream);
     let (o_ptr, _ro) = out.device_mut(OP, "out")?.device_ptr_mut(stream);
     let rule = c.gemm_rule();
-    let plan = match skinny_plan((m, n, k), (a_ptr, k), (w_ptr, k), device_limits(c), &rule) {
-        Some(plan) if c.uses_own_gemm() => plan,
-        _ => return Ok(false),
+    // A block's 16 weight rows are 8 features' gate and up rows: the plan's block count
+    // (n / 16) is the SwiGLU form's (I / 8).
+    let Some(plan) = skinny_plan((m, n, k), (a_ptr, k), (w_ptr, k), device_limits(c), &rule) else {
+        return Ok(false);
     };
     let g = DeviceGemm {
         ldc: n / 2,
@@ -347,11 +342,6 @@ pub(super) fn run_swiglu(
         as_c_int(OP, "n", n)?,
         as_c_int(OP, "k", k)?,
     );
-    // A block per 8 output features (their 8 gate and 8 up rows).
-    let plan = SkinnyPlan {
-        blocks: (n / 2).div_ceil(8),
-        ..plan
-    };
     launch_skinny_entry(
         c,
         SWIGLU[plan.tiles_log2],

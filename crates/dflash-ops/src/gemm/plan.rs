@@ -33,12 +33,13 @@ pub struct SkinnyRule {
 }
 
 impl Default for SkinnyRule {
-    /// The measured rule: at most 16 rows on weights of at most 2048 rows (the drafts' k / v,
-    /// o and 35B-A3B down projections at B = 1), 16 warps a block, launched as a dependent.
-    /// Wider weights and 17-32 rows stay with cuBLAS: under the same run's measurement (H100,
-    /// 1e0e7a6, `docs/performance-gemm-rules-h100.md`) the skinny kernel took 1.1-1.4x cuBLAS's time there (27B gate/up at 16 rows:
-    /// 147.0 against 130.5 us; the 35B-A3B's: 26.2 against 21.6), so its SwiGLU epilogue is
-    /// left to rules that give it those weights.
+    /// The measured rule: at most 16 rows on weights of at most 2048 rows (the drafts' k / v
+    /// projections and the 35B-A3B's o and down at B = 1), 16 warps a block, launched as a dependent.
+    /// Wider weights and 17-32 rows stay with cuBLAS: under the same run's measurement
+    /// (H100, 1e0e7a6, `docs/performance-gemm-rules-h100.md`) the skinny kernel took
+    /// 1.1-1.5x cuBLAS's time there (27B gate/up at 16 rows: 147.0 against 130.5 us; the
+    /// 35B-A3B's: 26.2 against 21.6), so its SwiGLU epilogue is left to rules that give it
+    /// those weights.
     fn default() -> Self {
         SkinnyRule {
             max_m: 16,
@@ -68,12 +69,15 @@ pub(crate) fn warp_bytes(tiles: usize) -> usize {
 pub(crate) struct SkinnyPlan {
     /// n8 tiles of A's rows: `1 << tiles_log2` (1, 2 or 4).
     pub tiles_log2: usize,
-    /// Blocks: one per 16 weight rows.
+    /// Blocks: one per 16 weight rows (in the SwiGLU form, `n = 2 I`: one per 8 output
+    /// features, the same count).
     pub blocks: usize,
     /// Warps per block (they split the reduction axis).
     pub warps: usize,
     /// Dynamic shared memory of a block in bytes: every warp's ring.
     pub smem: usize,
+    /// Launched as a programmatic dependent of the kernel ahead (the rule's `dependent`).
+    pub dependent: bool,
 }
 
 /// The skinny kernel's plan for `C[m, n] (+)= A[m, k] W[n, k]^T` under `rule` on a device of
@@ -123,5 +127,6 @@ pub(crate) fn skinny_plan(
         blocks,
         warps,
         smem: warps * per_warp,
+        dependent: rule.dependent,
     })
 }

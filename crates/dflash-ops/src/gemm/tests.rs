@@ -316,6 +316,7 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
             blocks: 64,
             warps: 16,
             smem: 16 * 4 * 4 * 512,
+            dependent: true,
         }
     );
     assert_eq!(taken(16, 1001, 2048).blocks, 63);
@@ -351,6 +352,13 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
     assert_eq!(with(17, 64, &narrow), None);
     assert_eq!(with(16, 2049, &narrow), None);
     assert_eq!(with(16, 2048, &narrow).map(|p| p.warps), Some(16));
+    // The plan carries the rule's launch: a dependent by default, ordinary when it says so.
+    assert_eq!(with(16, 2048, &narrow).map(|p| p.dependent), Some(true));
+    let ordinary = SkinnyRule {
+        dependent: false,
+        ..narrow
+    };
+    assert_eq!(with(16, 2048, &ordinary).map(|p| p.dependent), Some(false));
     let wide = SkinnyRule {
         max_n: usize::MAX,
         ..narrow
