@@ -302,3 +302,46 @@ __device__ __forceinline__ const T* df_cluster_peer(const T* p, unsigned rank) {
     return p;
 #endif
 }
+
+// ---- mbarriers and TMA (sm_90 and later; only the sm_90a kernel variants call these) ----
+#if __CUDA_ARCH__ >= 900
+// A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a
+// __grid_constant__ kernel parameter; encoded on the host by the launcher.
+struct __align__(64) DfTmap {
+    u64 w[16];
+};
+
+__device__ __forceinline__ void df_mbar_init(unsigned bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void df_mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void df_mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait until the phase of parity `parity` of barrier `bar` has completed. The spin loop stays
+// inside one asm block (scoped labels): a C++ loop here would make ptxas see the wgmma chain
+// as divergent and serialize it.
+__device__ __forceinline__ void df_mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nDF_WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@p bra DF_DONE;\n"
+        "bra DF_WAIT;\nDF_DONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// TMA: the box at element coordinates (x = K, y = row) of `map` into shared memory at `dst`,
+// completing `bytes` of transaction on `bar`.
+__device__ __forceinline__ void df_tma_2d(unsigned dst, const DfTmap* map, int x, int y, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+// TMA: the same box into the L2 only (no shared memory, no barrier, nothing returned).
+__device__ __forceinline__ void df_tma_prefetch_2d(const DfTmap* map, int x, int y) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(reinterpret_cast<u64>(map)),
+                 "r"(x), "r"(y)
+                 : "memory");
+}
+#endif  // __CUDA_ARCH__ >= 900

@@ -191,3 +191,175 @@ GEMM_ENTRY(gemm_skinny_nt4_bf16, 4, __nv_bfloat16, false)
 GEMM_ENTRY(gemm_skinny_swiglu_nt1, 1, __nv_bfloat16, true)
 GEMM_ENTRY(gemm_skinny_swiglu_nt2, 2, __nv_bfloat16, true)
 GEMM_ENTRY(gemm_skinny_swiglu_nt4, 4, __nv_bfloat16, true)
+
+#ifdef GEMM_WGMMA
+// ---- The wide kernel (sm_90a; this file compiled with GEMM_WGMMA): wgmma + TMA, split-K ----
+// For the products the skinny kernel does not take, up to 128 rows of A (`gemm::plan::
+// wide_plan`): any k that is a multiple of 8, A and W rows 16-byte aligned.
+//
+// Work split. Block (t, r) owns weight rows 64t .. 64t + 63 (one m64 wgmma tile, the weight
+// on the M side and A's rows on the N side: NC = 8 * NT columns, NT = 1 .. 16) and the r-th
+// of S equal ranges of the reduction axis, in chunks of 64 (the last chunk's elements past k
+// read as zero). The S blocks of a tile form a thread-block cluster (grid x = tiles * S,
+// cluster x = S <= 8), so the split needs no workspace and no second kernel.
+// - Pipeline: warp 4's first lane streams the block's chunks with TMA through `stages`
+//   shared-memory stages (a 64 x 64 weight box, or for the SwiGLU form a 32-row gate box and
+//   a 32-row up box, and an NC x 64 box of A, all 128-byte swizzled; rows past the tensors
+//   zero-filled): stage s is announced full by mbarrier full[s] (transaction bytes) and handed
+//   back by empty[s] (an arrival of each consumer thread). Warps 0-3 (the consumer
+//   warpgroup) run four m64nNCk16 wgmma per chunk (FP32 accumulators, the first chunk's first
+//   overwriting them), wait for them and release the stage.
+// - Dependent launch: before df_pdl_wait the producer prefetches its first stages' weight
+//   boxes into the L2 (a TMA prefetch returns nothing, so nothing is read early, whoever
+//   wrote W); the block lets its dependents launch after its main loop.
+// - Reduction: each block stores its 64 x NC partial sums in its own shared memory (the
+//   drained stages), the cluster synchronizes, and block r reduces the r-th of S equal
+//   shares of the tile's elements, adding the S blocks' partials in rank order (a fixed
+//   order: the result depends only on the shape, the plan and the inputs), then stores them
+//   as the skinny kernel does (F32 as is, BF16 rounded once, `accumulate` adding the old C
+//   element before that rounding; the SwiGLU form bf16(silu(bf16(G)) * bf16(U)) from the
+//   gate sum of tile row j and the up sum of row 32 + j). A last cluster barrier keeps every
+//   block's shared memory alive until its peers have read it.
+//
+// Entries gemm_wide_nt{1,2,4,8,16}_{f32,bf16} and gemm_wide_swiglu_nt{1,2,4,8,16} (the weight
+// [gate; up], n = 2 I, C [m, I]: block t owns features 32t .. 32t + 31).
+#define GW_ROWS 64                 // weight rows of a tile (one m64 wgmma)
+#define GW_KC 64                   // reduction elements a stage (one 128-byte swizzled row)
+#define GW_THREADS 160             // the consumer warpgroup and the producer warp
+#define GW_RED_LD (GW_ROWS + 4)    // floats a column of the partial tile (conflict-free stores)
+#define GW_W_BYTES (GW_ROWS * GW_KC * 2)
+
+template <int NT, class T, bool SWIGLU>
+__device__ __forceinline__ void gemm_wide(const DfTmap* tm_a, const DfTmap* tm_w, T* __restrict__ c, int m,
+                                          int n, int k, long long ldc, int accumulate, int stages) {
+    constexpr int NC = 8 * NT;
+    constexpr unsigned STAGE_BYTES = GW_W_BYTES + NC * GW_KC * 2;  // a multiple of 1024
+    extern __shared__ __align__(16) unsigned char gemm_smem[];
+    unsigned char* base = gemm_smem + ((1024 - (df_smem_u32(gemm_smem) & 1023)) & 1023);
+    const unsigned pipe = df_smem_u32(base);
+    const unsigned bars = pipe + stages * STAGE_BYTES;  // full[stages], then empty[stages]
+    const int tid = threadIdx.x;
+    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+    const int splits = (int)df_cluster_blocks(), rank = (int)df_cluster_rank();
+    const int tile = blockIdx.x / splits;
+    const int kch = (k + GW_KC - 1) / GW_KC;
+    const int c0 = (int)((long long)rank * kch / splits), c1 = (int)((long long)(rank + 1) * kch / splits);
+    const int nk = c1 - c0;
+    const int inter = n >> 1;
+    // Weight rows of the tile's boxes: one 64-row box, or the gate and up boxes of 32 rows.
+    const int wr0 = SWIGLU ? tile * 32 : tile * GW_ROWS;
+    const int wr1 = inter + tile * 32;
+    if (tid == 0) {
+        for (int s = 0; s < stages; ++s) {
+            df_mbar_init(bars + 8 * s, 1);
+            df_mbar_init(bars + 8 * (stages + s), 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    float acc[NT][4];
+    if (warp == 4) {
+        if ((tid & 31) == 0) {
+            for (int j = 0; j < min(nk, stages); ++j) {
+                const int k0 = (c0 + j) * GW_KC;
+                df_tma_prefetch_2d(tm_w, k0, wr0);
+                if (SWIGLU) df_tma_prefetch_2d(tm_w, k0, wr1);
+            }
+            df_pdl_wait();
+            for (int j = 0; j < nk; ++j) {
+                const int s = j % stages;
+                if (j >= stages) df_mbar_wait(bars + 8 * (stages + s), (unsigned)((j / stages - 1) & 1));
+                const unsigned full = bars + 8 * s, dst = pipe + s * STAGE_BYTES;
+                df_mbar_expect_tx(full, STAGE_BYTES);
+                const int k0 = (c0 + j) * GW_KC;
+                if (SWIGLU) {
+                    df_tma_2d(dst, tm_w, k0, wr0, full);
+                    df_tma_2d(dst + GW_W_BYTES / 2, tm_w, k0, wr1, full);
+                } else {
+                    df_tma_2d(dst, tm_w, k0, wr0, full);
+                }
+                df_tma_2d(dst + GW_W_BYTES, tm_a, k0, 0, full);
+            }
+        }
+        __syncwarp();
+        df_pdl_wait();  // the warp's other lanes store C below
+    } else {
+        df_pdl_wait();
+        for (int j = 0; j < nk; ++j) {
+            const int s = j % stages;
+            df_mbar_wait(bars + 8 * s, (unsigned)((j / stages) & 1));
+            const __nv_bfloat16* Ws = reinterpret_cast<const __nv_bfloat16*>(base + s * STAGE_BYTES);
+            const __nv_bfloat16* As = Ws + GW_ROWS * GW_KC;
+            df_wg_fence();
+#pragma unroll
+            for (int k16 = 0; k16 < GW_KC / 16; ++k16)
+                df_wgmma_bf16(acc, df_wg_desc_k(Ws + k16 * 16), df_wg_desc_k(As + k16 * 16), (j > 0 || k16 > 0) ? 1 : 0);
+            df_wg_commit();
+            df_wg_wait<0>();
+            df_mbar_arrive(bars + 8 * (stages + s));
+        }
+        if (nk == 0) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+        }
+    }
+    df_pdl_launch_dependents();
+    // Every stage was consumed (each full barrier waited for), so the pipeline's memory is free.
+    float* red = reinterpret_cast<float*>(base);  // [NC][GW_RED_LD]: column = row of A
+    if (warp < 4) {
+        const int lane = tid & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    red[(8 * j + 2 * q + e) * GW_RED_LD + warp * 16 + g + 8 * h] = acc[j][2 * h + e];
+    }
+    df_cluster_sync();
+    constexpr int OUT_ROWS = SWIGLU ? 32 : GW_ROWS;
+    constexpr int ELEMS = NC * OUT_ROWS;
+    const int share = (ELEMS + splits - 1) / splits;
+    const int e1 = min(ELEMS, (rank + 1) * share);
+    auto sum = [&](int off) {
+        float v = *df_cluster_peer(red + off, 0u);
+        for (int p = 1; p < splits; ++p) v += *df_cluster_peer(red + off, (unsigned)p);
+        return v;
+    };
+    for (int e = rank * share + tid; e < e1; e += GW_THREADS) {
+        const int col = e / OUT_ROWS, row = e - col * OUT_ROWS;
+        if (col >= m) continue;
+        if (SWIGLU) {
+            const int f = tile * 32 + row;
+            if (f >= inter) continue;
+            const float gate = bf2f(f2bf(sum(col * GW_RED_LD + row)));
+            const float up = bf2f(f2bf(sum(col * GW_RED_LD + 32 + row)));
+            gemm_store_out(c + (long long)col * ldc + f, df_silu(gate) * up);
+        } else {
+            const int f = tile * GW_ROWS + row;
+            if (f >= n) continue;
+            float v = sum(col * GW_RED_LD + row);
+            T* out = c + (long long)col * ldc + f;
+            if (accumulate) v += gemm_load_out(out);
+            gemm_store_out(out, v);
+        }
+    }
+    df_cluster_sync();
+}
+
+#define GEMM_WIDE_ENTRY(NAME, NT, T, SWIGLU)                                                              \
+    extern "C" __global__ void __launch_bounds__(GW_THREADS) NAME(                                      \
+        const __grid_constant__ DfTmap tm_a, const __grid_constant__ DfTmap tm_w, T* c, int m, int n, int k, \
+        long long ldc, int accumulate, int stages) {                                                     \
+        gemm_wide<NT, T, SWIGLU>(&tm_a, &tm_w, c, m, n, k, ldc, accumulate, stages);                    \
+    }
+#define GEMM_WIDE_ENTRIES(NT)                                           \
+    GEMM_WIDE_ENTRY(gemm_wide_nt##NT##_f32, NT, float, false)           \
+    GEMM_WIDE_ENTRY(gemm_wide_nt##NT##_bf16, NT, __nv_bfloat16, false)  \
+    GEMM_WIDE_ENTRY(gemm_wide_swiglu_nt##NT, NT, __nv_bfloat16, true)
+GEMM_WIDE_ENTRIES(1)
+GEMM_WIDE_ENTRIES(2)
+GEMM_WIDE_ENTRIES(4)
+GEMM_WIDE_ENTRIES(8)
+GEMM_WIDE_ENTRIES(16)
+#endif  // GEMM_WGMMA

@@ -275,33 +275,8 @@ __device__ __forceinline__ void ph_run(const __nv_bfloat16* __restrict__ hidden,
 
 #else  // PH_WGMMA: the sm_90a driver
 
-// A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a
-// __grid_constant__ kernel parameter; encoded on the host by the launcher.
-struct __align__(64) PhTmap {
-    u64 w[16];
-};
-
-__device__ __forceinline__ void ph_mbar_init(unsigned bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void ph_mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void ph_mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Wait until the phase of parity `parity` of barrier `bar` has completed. The spin loop stays
-// inside one asm block (scoped labels): a C++ loop here would make ptxas see the wgmma chain
-// as divergent and serialize it.
-__device__ __forceinline__ void ph_mbar_wait(unsigned bar, unsigned parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nPH_WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@p bra PH_DONE;\n"
-        "bra PH_WAIT;\nPH_DONE:\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
 // Wait until shared word `addr` holds `v` (the producer's ticket of a stage, see ph_run); in
-// one asm block for the same reason as ph_mbar_wait.
+// one asm block for the same reason as df_mbar_wait.
 __device__ __forceinline__ void ph_ticket_wait(unsigned addr, int v) {
     asm volatile(
         "{\n.reg .pred p;\n.reg .b32 t;\nPH_TICKET:\nld.volatile.shared.b32 t, [%0];\nsetp.eq.b32 p, t, %1;\n"
@@ -309,15 +284,6 @@ __device__ __forceinline__ void ph_ticket_wait(unsigned addr, int v) {
         "r"(v)
         : "memory");
 }
-// TMA: the box at element coordinates (x = K, y = row) of `map` into shared memory at `dst`,
-// completing `bytes` of transaction on `bar`.
-__device__ __forceinline__ void ph_tma_2d(unsigned dst, const PhTmap* map, int x, int y, unsigned bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(bar)
-        : "memory");
-}
-
 // The sm_90a GEMM driver: same contract, work split and epilogue calls as the portable one
 // above. A block is PH_CONSUMERS = 2 consumer warpgroups (warps 0-7) plus one producer
 // warpgroup (warps 8-11), which hands most of its registers to the consumers (setmaxnreg).
@@ -337,7 +303,7 @@ __device__ __forceinline__ void ph_tma_2d(unsigned dst, const PhTmap* map, int x
 // next chunk, so all S stages are loading while it waits (the stream is memory-bound: a
 // chunk's MMAs take about half of its read).
 template <int NT, int S, class Epi>
-__device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm_head, int n, int rows,
+__device__ __forceinline__ void ph_run(const DfTmap* tm_hidden, const DfTmap* tm_head, int n, int rows,
                                        int H, unsigned char* smem, Epi& epi) {
     typedef PhCfg<NT, S> C;
     constexpr int KC = C::KC;
@@ -359,8 +325,8 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
     const int total = tiles * kch;
     if (tid == 0) {
         for (int s = 0; s < S; ++s) {
-            ph_mbar_init(bars + 8 * s, 1);
-            ph_mbar_init(bars + 8 * (S + s), PH_THREADS);
+            df_mbar_init(bars + 8 * s, 1);
+            df_mbar_init(bars + 8 * (S + s), PH_THREADS);
             tickets[s] = -1;
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -371,15 +337,15 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
         if (tid == PH_CONSUMERS * PH_THREADS) {
             for (int j = 0; j < total; ++j) {
                 const int s = j % S;
-                if (j >= S) ph_mbar_wait(bars + 8 * (S + s), (unsigned)((j / S - 1) & 1));
+                if (j >= S) df_mbar_wait(bars + 8 * (S + s), (unsigned)((j / S - 1) & 1));
                 *reinterpret_cast<volatile int*>(tickets + s) = j;
                 const unsigned full = bars + 8 * s;
-                ph_mbar_expect_tx(full, STAGE_BYTES);
+                df_mbar_expect_tx(full, STAGE_BYTES);
                 const int k0 = (j % kch) * KC;
                 const int r0 = (int)(row_begin + (long long)(j / kch) * PH_TV);
                 const unsigned ws = df_smem_u32(pipe + s * C::STAGE);
-                ph_tma_2d(ws, tm_head, k0, r0, full);
-                ph_tma_2d(ws + C::W_ELEMS * 2, tm_hidden, k0, col0, full);
+                df_tma_2d(ws, tm_head, k0, r0, full);
+                df_tma_2d(ws + C::W_ELEMS * 2, tm_hidden, k0, col0, full);
             }
         }
         return;
@@ -398,7 +364,7 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
             const int it = it0 + kc;
             const int s = it % S;
             ph_ticket_wait(df_smem_u32(tickets + s), it);
-            ph_mbar_wait(bars + 8 * s, (unsigned)((it / S) & 1));
+            df_mbar_wait(bars + 8 * s, (unsigned)((it / S) & 1));
             const __nv_bfloat16* Ws = pipe + s * C::STAGE;
             const __nv_bfloat16* Xs = Ws + C::W_ELEMS;
             df_wg_fence();
@@ -416,7 +382,7 @@ __device__ __forceinline__ void ph_run(const PhTmap* tm_hidden, const PhTmap* tm
             // S - 1 loads in flight where the stream is memory-bound (measured: the top-16
             // epilogue's 4 stages at 128 columns ran at 0.8 of the copy rate that way).
             df_wg_wait<0>();
-            ph_mbar_arrive(bars + 8 * (S + s));
+            df_mbar_arrive(bars + 8 * (S + s));
         }
         epi.tile(acc, row_begin + (long long)t * PH_TV, row_end);
     }
@@ -502,7 +468,7 @@ struct PhArgmax {
 #define PH_OPERANDS const __nv_bfloat16 *hidden, const __nv_bfloat16 *head
 #define PH_RUN_OPERANDS hidden, head
 #else
-#define PH_OPERANDS const __grid_constant__ PhTmap tm_hidden, const __grid_constant__ PhTmap tm_head
+#define PH_OPERANDS const __grid_constant__ DfTmap tm_hidden, const __grid_constant__ DfTmap tm_head
 #define PH_RUN_OPERANDS &tm_hidden, &tm_head
 #endif
 

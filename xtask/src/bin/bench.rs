@@ -3,13 +3,14 @@
 //! graphs and timed with CUDA events, against the memory floor.
 //!
 //! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING] [--shape B,K,CTX]
-//! [--portable] [--gemm-rule M,N,W,WMANY,DEP]`:
+//! [--portable] [--gemm-rule M,N,W,WMANY,DEP[,WIDE]]`:
 //! prints a table and writes `DIR/performance.json` (an array of `{"op", "draft", "B", "K",
 //! "context", "median_us", "floor_us"}`) and `DIR/performance.md`. `--portable` restricts the
 //! backend to the portable kernel variants (no sm_90a variants of the heads and attention), for
 //! comparison. `--gemm-rule` sets the skinny GEMM's rule (`gemm::SkinnyRule`: the most rows,
 //! the most weight rows, warps a block on grids of at most two blocks an SM and on larger
-//! ones, 1 to launch it as a dependent or 0) instead of the default, to measure another.
+//! ones, 1 to launch it as a dependent or 0, and optionally 1 or 0 for the wide kernel on
+//! sm_90a) instead of the default, to measure another.
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
 //! `--only SUBSTRING` keeps the groups whose name contains it: `attention`, `head`, `gemm`
 //! (its own report, below), `block`, `round` (`--only round`: the round rows alone, over B in
@@ -484,20 +485,28 @@ const GEMM_ROWS: [usize; 5] = [8, 16, 32, 64, 128];
 fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
     let be = Backend::Cuda(cuda.clone());
     let (h, inter) = (d.hidden, d.inter);
-    // (weight, n, k, F32 output): the checkpoint's weights (the context K/V role still
-    // multiplies k_proj / v_proj alone) and the block's fused ones (Q/K/V with F32 output, the
-    // raw Q and K being normalized unrounded).
-    let shapes: [(&'static str, usize, usize, bool); 7] = [
-        ("q_proj", HQ * D, h, false),
-        ("k_proj / v_proj", HKV * D, h, false),
-        ("qkv_proj (fused, F32 out)", (HQ + 2 * HKV) * D, h, true),
-        ("o_proj", h, HQ * D, false),
-        ("gate_proj / up_proj", inter, h, false),
-        ("gate_up_proj (fused)", 2 * inter, h, false),
-        ("down_proj", h, inter, false),
+    // (weight, n, k, output): the checkpoint's weights (the context K/V role still multiplies
+    // k_proj / v_proj alone) and the block's fused ones (Q/K/V with F32 output, the raw Q and
+    // K being normalized unrounded; gate/up with the SwiGLU applied, `gemm::run_swiglu`, whose
+    // cuBLAS side is the product and the `swiglu` kernel).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Out {
+        Bf16,
+        F32,
+        Swiglu,
+    }
+    let shapes: [(&'static str, usize, usize, Out); 8] = [
+        ("q_proj", HQ * D, h, Out::Bf16),
+        ("k_proj / v_proj", HKV * D, h, Out::Bf16),
+        ("qkv_proj (fused, F32 out)", (HQ + 2 * HKV) * D, h, Out::F32),
+        ("o_proj", h, HQ * D, Out::Bf16),
+        ("gate_proj / up_proj", inter, h, Out::Bf16),
+        ("gate_up_proj (fused)", 2 * inter, h, Out::Bf16),
+        ("gate_up_proj + SwiGLU", 2 * inter, h, Out::Swiglu),
+        ("down_proj", h, inter, Out::Bf16),
     ];
     let mut rows = Vec::new();
-    for (si, &(weight, n, k, f32_out)) in shapes.iter().enumerate() {
+    for (si, &(weight, n, k, kind)) in shapes.iter().enumerate() {
         let bytes = n * k * 2;
         let copies = (ROTATE_BYTES / bytes).clamp(1, 16);
         let ws: Vec<Buffer<bf16>> = (0..copies)
@@ -505,8 +514,9 @@ fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
             .collect::<Result<_>>()?;
         for &m in &GEMM_ROWS {
             let a = random_buf(&be, m * k, 7, |x| bf(2.0 * x))?;
-            let mut out = be.zeros::<bf16>(if f32_out { 0 } else { m * n })?;
-            let mut out_f32 = be.zeros::<f32>(if f32_out { m * n } else { 0 })?;
+            let mut out = be.zeros::<bf16>(if kind == Out::F32 { 0 } else { m * n })?;
+            let mut out_f32 = be.zeros::<f32>(if kind == Out::F32 { m * n } else { 0 })?;
+            let mut act = be.zeros::<bf16>(if kind == Out::Swiglu { m * n / 2 } else { 0 })?;
             let gp = gemm::GemmParams { m, n, k };
             let floor = floor_us(gemm_bytes(m, n, k));
             for (op, kernels) in [
@@ -517,11 +527,12 @@ fn bench_gemm(cuda: &CudaBackend, d: &Draft) -> Result<Vec<GemmRow>> {
                 let reps = copies.max(4);
                 let t = time_graph(cuda, reps, |i| {
                     let w = &ws[i % copies];
-                    if f32_out {
-                        gemm::run_f32(&be, &a, w, &mut out_f32, &gp).map_err(Into::into)
-                    } else {
-                        gemm::run_bf16(&be, &a, w, &mut out, &gp).map_err(Into::into)
+                    match kind {
+                        Out::F32 => gemm::run_f32(&be, &a, w, &mut out_f32, &gp),
+                        Out::Bf16 => gemm::run_bf16(&be, &a, w, &mut out, &gp),
+                        Out::Swiglu => gemm::run_swiglu(&be, &a, w, &mut out, &mut act, &gp),
                     }
+                    .map_err(Into::into)
                 });
                 cuda.set_gemm_kernels(GemmKernels::Auto);
                 rows.push(GemmRow {
@@ -1015,15 +1026,23 @@ fn main() -> Result<()> {
         ..Default::default()
     };
     let cuda = CudaBackend::with_options(0, options).context("opening CUDA device 0")?;
-    // `--gemm-rule M,N,W,WMANY,DEP`: the skinny GEMM's rule instead of the default.
+    // `--gemm-rule M,N,W,WMANY,DEP[,WIDE]`: the own GEMMs' rule instead of the default
+    // (WIDE, the wide kernel on or off, defaults to the default rule's).
     if let Some(v) = value("--gemm-rule")? {
         let n: Vec<usize> = v
             .split(',')
             .map(|x| x.trim().parse::<usize>())
             .collect::<std::result::Result<_, _>>()
-            .map_err(|e| anyhow!("--gemm-rule {v}: expected M,N,W,WMANY,DEP as integers ({e})"))?;
-        let [max_m, max_n, warps, warps_many, dep @ (0 | 1)] = n[..] else {
-            bail!("--gemm-rule {v}: expected five integers M,N,W,WMANY,DEP (DEP 0 or 1)");
+            .map_err(|e| {
+                anyhow!("--gemm-rule {v}: expected M,N,W,WMANY,DEP[,WIDE] as integers ({e})")
+            })?;
+        let (max_m, max_n, warps, warps_many, dep, wide) = match n[..] {
+            [m, n, w, wm, d @ (0 | 1)] => (m, n, w, wm, d, gemm::SkinnyRule::default().wide),
+            [m, n, w, wm, d @ (0 | 1), x @ (0 | 1)] => (m, n, w, wm, d, x == 1),
+            _ => bail!(
+                "--gemm-rule {v}: expected five or six integers M,N,W,WMANY,DEP[,WIDE] \
+                 (DEP and WIDE 0 or 1)"
+            ),
         };
         cuda.set_gemm_rule(gemm::SkinnyRule {
             max_m,
@@ -1031,6 +1050,7 @@ fn main() -> Result<()> {
             warps,
             warps_many,
             dependent: dep == 1,
+            wide,
         });
     }
     let out = value("--out")?;

@@ -9,7 +9,8 @@
 //!
 //! Kernel variants. Every kernel has a portable variant that NVRTC compiles for the device's
 //! own architecture (sm_80 and later). A few ops also have an architecture-specific variant
-//! ([`ARCH_SPECIFIC_OPS`]: the proposal heads' wgmma GEMM and the attention ops' wgmma split,
+//! ([`ARCH_SPECIFIC_OPS`]: `gemm`'s wide kernel, the proposal heads' wgmma GEMM and the attention
+//! ops' wgmma split,
 //! compiled for `sm_90a`), used on a
 //! device of compute capability 9.0 unless [`CudaOptions::kernels`] asks for
 //! [`KernelVariants::Portable`]; both variants keep the same contract and pass the same
@@ -81,7 +82,8 @@ pub struct CudaOptions {
 }
 
 /// Ops with an architecture-specific (`sm_90a`) kernel variant besides the portable one.
-pub const ARCH_SPECIFIC_OPS: [&str; 4] = [
+pub const ARCH_SPECIFIC_OPS: [&str; 5] = [
+    crate::gemm::OP,
     crate::proposal_argmax::OP,
     crate::unary_topk::OP,
     crate::softmax_attention::OP,
@@ -103,8 +105,9 @@ pub const DEPENDENT_LAUNCH_OPS: [&str; 3] = [
 
 /// Ops that launch thread-block clusters on compute capability 9.0 and later
 /// (`CudaBackend::launch_ex`: `target_distribution` spreads each verify column over a cluster
-/// of blocks), unless [`KernelVariants::Portable`].
-pub const CLUSTER_OPS: [&str; 1] = [crate::target_distribution::OP];
+/// of blocks, `gemm`'s wide kernel splits a weight tile's reduction over one), unless
+/// [`KernelVariants::Portable`].
+pub const CLUSTER_OPS: [&str; 2] = [crate::target_distribution::OP, crate::gemm::OP];
 
 /// The architecture the `sm_90a` variants are compiled for.
 pub(crate) const SM90A: &str = "sm_90a";
@@ -287,6 +290,66 @@ pub(crate) enum RawArg {
     I32(i32),
     /// A `long long`.
     I64(i64),
+    /// A TMA descriptor (`const __grid_constant__ DfTmap`).
+    Map(TensorMap),
+}
+
+/// A TMA descriptor passed by value to the sm_90a kernels (`DfTmap` of `kernels/common.cuh`).
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TensorMap(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: plain old data (the driver's opaque 128-byte descriptor), passed by value as the
+// kernels' `const __grid_constant__ DfTmap` parameters.
+unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+/// The TMA map of a row-major BF16 matrix of `outer` rows of `inner` elements, row `r`
+/// starting at element `r * stride` of device address `ptr`, read in boxes of `box_inner`
+/// elements (at most 64: one 128-byte swizzled row) x `box_outer` rows with the 128-byte
+/// swizzle; reads past the matrix (either axis) are zero-filled. `op` and `tensor` name it in
+/// errors. The caller guarantees `ptr` is 16-byte aligned and `stride` a multiple of 8
+/// (the driver refuses anything else).
+pub(crate) fn tensor_map(
+    op: &'static str,
+    tensor: &'static str,
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    (inner, outer, stride): (usize, usize, usize),
+    (box_inner, box_outer): (u32, u32),
+) -> Result<TensorMap> {
+    use cudarc::driver::sys;
+    let dims = [inner as u64, outer as u64];
+    let strides = [stride as u64 * 2];
+    let boxes = [box_inner, box_outer];
+    let steps = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer is valid for the rank (2) the call reads; the driver checks the
+    // address's and the stride's alignment and the box sizes, and reports what it refuses.
+    let status = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(OpsError::Cuda {
+            context: format!(
+                "encoding the TMA map of {op}'s {tensor} [{outer}, {inner}] (row stride {stride})"
+            ),
+            message: format!("{status:?}"),
+        });
+    }
+    // SAFETY: cuTensorMapEncodeTiled succeeded, so it wrote the whole descriptor.
+    Ok(TensorMap(unsafe { map.assume_init() }))
 }
 
 /// Identification of a CUDA device and its software stack.
@@ -479,6 +542,11 @@ pub fn kernel_modules() -> Vec<(&'static str, String)> {
 /// the architecture it is compiled for).
 pub fn arch_specific_modules() -> Vec<(&'static str, String, &'static str)> {
     vec![
+        (
+            crate::gemm::cuda::SM90A_MODULE,
+            crate::gemm::cuda::sm90a_source().into(),
+            SM90A,
+        ),
         (
             crate::proposal_argmax::cuda::SM90A_MODULE,
             crate::proposal_argmax::cuda::sm90a_source().into(),
@@ -956,6 +1024,7 @@ impl CudaBackend {
                 RawArg::Ptr(p) => (p as *mut u64).cast(),
                 RawArg::I32(v) => (v as *mut i32).cast(),
                 RawArg::I64(v) => (v as *mut i64).cast(),
+                RawArg::Map(m) => (m as *mut TensorMap).cast(),
             })
             .collect();
         let mut attrs = Vec::with_capacity(2);

@@ -1,5 +1,6 @@
 //! CUDA path of `gemm`: the skinny kernel of `kernels/gemm.cu` for the few-row products on
-//! small weights its plan takes (`plan::skinny_plan`), one `cublasGemmEx` (BF16
+//! small weights its plan takes (`plan::skinny_plan`), on sm_90a devices its wide kernel
+//! (`plan::wide_plan`) for the other products of up to 128 rows, one `cublasGemmEx` (BF16
 //! inputs, FP32 compute) otherwise, and the crate-wide device GEMM helper
 //! [`gemm_bf16_device`] that other launchers call on slices or views.
 
@@ -7,16 +8,28 @@ use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, RawArg};
+use crate::cuda::{CudaBackend, RawArg, SM90A, tensor_map};
 use crate::{Buffer, Element, OpsError, Result};
 
 use super::OP;
-use super::plan::{SkinnyPlan, skinny_plan};
+use super::plan::{SkinnyPlan, SkinnyRule, WidePlan, skinny_plan, wide_plan, wide_splits};
 
 pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/gemm.cu"
 ));
+
+/// Module name of the sm_90a variant (the wide kernel beside the skinny one).
+pub(crate) const SM90A_MODULE: &str = "gemm.sm_90a";
+
+/// Source of the sm_90a variant: [`SOURCE`] compiled with `GEMM_WGMMA`.
+pub(crate) fn sm90a_source() -> &'static str {
+    static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SRC.get_or_init(|| format!("#define GEMM_WGMMA 1\n{SOURCE}"))
+}
+
+/// Threads of a wide block (`GW_THREADS`): the consumer warpgroup and the producer warp.
+const WIDE_THREADS: u32 = 160;
 
 /// An output element type cuBLAS can write from an FP32 accumulator (f32 or bf16).
 pub(crate) trait GemmOutElem: Element {
@@ -24,6 +37,8 @@ pub(crate) trait GemmOutElem: Element {
     const CUDA_TYPE: sys::cudaDataType_t;
     /// The skinny kernel's entry points for 1, 2 and 4 n8 tiles of A's rows.
     const SKINNY: [&'static str; 3];
+    /// The wide kernel's entry points for 1, 2, 4, 8 and 16 n8 tiles of A's rows.
+    const WIDE: [&'static str; 5];
 }
 
 impl GemmOutElem for f32 {
@@ -33,6 +48,13 @@ impl GemmOutElem for f32 {
         "gemm_skinny_nt2_f32",
         "gemm_skinny_nt4_f32",
     ];
+    const WIDE: [&'static str; 5] = [
+        "gemm_wide_nt1_f32",
+        "gemm_wide_nt2_f32",
+        "gemm_wide_nt4_f32",
+        "gemm_wide_nt8_f32",
+        "gemm_wide_nt16_f32",
+    ];
 }
 
 impl GemmOutElem for bf16 {
@@ -41,6 +63,13 @@ impl GemmOutElem for bf16 {
         "gemm_skinny_nt1_bf16",
         "gemm_skinny_nt2_bf16",
         "gemm_skinny_nt4_bf16",
+    ];
+    const WIDE: [&'static str; 5] = [
+        "gemm_wide_nt1_bf16",
+        "gemm_wide_nt2_bf16",
+        "gemm_wide_nt4_bf16",
+        "gemm_wide_nt8_bf16",
+        "gemm_wide_nt16_bf16",
     ];
 }
 
@@ -186,16 +215,21 @@ where
     let (a_ptr, _ra) = a.device_ptr(stream);
     let (w_ptr, _rw) = w.device_ptr(stream);
     let (c_ptr, _rc) = out.device_ptr_mut(stream);
-    if c.uses_own_gemm()
-        && let Some(plan) = skinny_plan(
+    if c.uses_own_gemm() {
+        let rule = c.gemm_rule();
+        if let Some(plan) = skinny_plan(
             (g.m, g.n, g.k),
             (a_ptr, g.lda),
             (w_ptr, g.ldw),
             device_limits(c),
-            &c.gemm_rule(),
-        )
-    {
-        return launch_skinny::<T>(c, (a_ptr, w_ptr, c_ptr), (m, n, k), g, &plan);
+            &rule,
+        ) {
+            return launch_skinny::<T>(c, (a_ptr, w_ptr, c_ptr), (m, n, k), g, &plan);
+        }
+        if let Some(plan) = own_wide_plan(c, (g.m, g.n, g.k), (a_ptr, g.lda), (w_ptr, g.ldw), &rule) {
+            let name = T::WIDE[plan.tiles_log2];
+            return launch_wide(c, name, (a_ptr, w_ptr, c_ptr), g, &plan, false);
+        }
     }
     let blas = c.blas()?;
     let alpha: f32 = 1.0;
@@ -304,10 +338,115 @@ fn launch_skinny_entry(
     unsafe { c.launch_ex(&kernel.func, cfg, &mut args, name, plan.dependent, 1) }
 }
 
-/// `gemm::run_swiglu` on CUDA where the skinny kernel takes the product (its SwiGLU
-/// epilogue writes `out`, `[m, n / 2]`): `Ok(true)` once queued, `Ok(false)` (nothing queued)
-/// where it does not (own GEMMs off, or `skinny_plan` refuses the shape or alignment), and
-/// the caller forms the product and the SwiGLU apart. Lengths already checked (n even).
+/// The wide kernel's entry points of the SwiGLU form for 1, 2, 4, 8 and 16 n8 tiles.
+const WIDE_SWIGLU: [&str; 5] = [
+    "gemm_wide_swiglu_nt1",
+    "gemm_wide_swiglu_nt2",
+    "gemm_wide_swiglu_nt4",
+    "gemm_wide_swiglu_nt8",
+    "gemm_wide_swiglu_nt16",
+];
+
+/// [`wide_plan`] on a backend that runs the sm_90a variants (none elsewhere).
+fn own_wide_plan(
+    c: &CudaBackend,
+    shape: (usize, usize, usize),
+    a: (u64, usize),
+    w: (u64, usize),
+    rule: &SkinnyRule,
+) -> Option<WidePlan> {
+    if !c.uses_sm90a() {
+        return None;
+    }
+    wide_plan(shape, a, w, c.limits().smem_per_block_optin, rule)
+}
+
+/// Queue wide entry `name` for a product [`gemm_bf16_device`] checked (or `run_swiglu`'s,
+/// `swiglu`: the SwiGLU form, C `[m, n / 2]` at stride `g.ldc`), at device addresses
+/// `(a, w, c)`: a block per (64-row weight tile, split), the splits of a tile in one cluster
+/// ([`wide_splits`] for the blocks that fit the device; one where the backend launches no
+/// clusters).
+fn launch_wide(
+    c: &CudaBackend,
+    name: &'static str,
+    (a, w, out): (u64, u64, u64),
+    g: &DeviceGemm,
+    plan: &WidePlan,
+    swiglu: bool,
+) -> Result<()> {
+    let kernel = c.kernel_for(
+        SM90A_MODULE,
+        Some(SM90A),
+        sm90a_source(),
+        name,
+        WIDE_THREADS,
+        plan.smem,
+    )?;
+    let slots = kernel.blocks_per_sm * c.limits().sm_count;
+    let splits = if c.uses_clusters() {
+        wide_splits(plan.tiles, g.k, slots)
+    } else {
+        1
+    };
+    let blocks = u32::try_from(plan.tiles * splits)
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| OpsError::Param {
+            op: OP,
+            param: "n",
+            expected: "at most 2^31 - 1 wide blocks".into(),
+            found: g.n.to_string(),
+        })?;
+    let nc = 8u32 << plan.tiles_log2;
+    let tm_a = tensor_map(OP, "a", a, (g.k, g.m, g.lda), (64, nc))?;
+    let tm_w = tensor_map(
+        OP,
+        "w",
+        w,
+        (g.k, g.n, g.ldw),
+        (64, if swiglu { 32 } else { 64 }),
+    )?;
+    let mut args = [
+        RawArg::Map(tm_a),
+        RawArg::Map(tm_w),
+        RawArg::Ptr(out),
+        RawArg::I32(as_c_int(OP, "m", g.m)?),
+        RawArg::I32(as_c_int(OP, "n", g.n)?),
+        RawArg::I32(as_c_int(OP, "k", g.k)?),
+        RawArg::I64(g.ldc as i64),
+        RawArg::I32(i32::from(g.accumulate)),
+        RawArg::I32(plan.stages as i32),
+    ];
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (WIDE_THREADS, 1, 1),
+        shared_mem_bytes: plan.smem as u32,
+    };
+    // SAFETY: the arguments match the entry's parameters (two TMA maps by value, a pointer,
+    // three ints, a long long, two ints); the maps were encoded over the A and W spans that
+    // `gemm_bf16_device` (or `run_swiglu`) checked (`[m, k]` at stride lda, `[n, k]` at ldw;
+    // TMA reads nothing outside them: the rest of a box is zero-filled), and the kernel stores
+    // only C elements of rows below m and columns below n (n / 2 for SwiGLU) at stride ldc,
+    // within the span checked; C is not aliased with A or W (the op's contract); the shared
+    // memory is the plan's (its stages hold the 64 x 8 nt partial tile the reduction reuses
+    // them for), within the limit `kernel_for` raised the entry to; `splits` divides the grid
+    // and is at most 8 (`wide_splits`), and `launch_ex` checks both.
+    unsafe {
+        c.launch_ex(
+            &kernel.func,
+            cfg,
+            &mut args,
+            name,
+            plan.dependent,
+            splits as u32,
+        )
+    }
+}
+
+/// `gemm::run_swiglu` on CUDA where the skinny or the wide kernel takes the product (its
+/// SwiGLU form writes `out`, `[m, n / 2]`): `Ok(true)` once queued, `Ok(false)` (nothing
+/// queued) where neither does (own GEMMs off, or both plans refuse the shape, the alignment
+/// or the device), and the caller forms the product and the SwiGLU apart. Lengths already checked (n even).
 pub(super) fn run_swiglu(
     c: &CudaBackend,
     a: &Buffer<bf16>,
@@ -328,14 +467,28 @@ pub(super) fn run_swiglu(
     let (w_ptr, _rw) = w.device(OP, "w")?.device_ptr(stream);
     let (o_ptr, _ro) = out.device_mut(OP, "out")?.device_ptr_mut(stream);
     let rule = c.gemm_rule();
-    // A block's 16 weight rows are 8 features' gate and up rows: the plan's block count
-    // (n / 16) is the SwiGLU form's (I / 8).
-    let Some(plan) = skinny_plan((m, n, k), (a_ptr, k), (w_ptr, k), device_limits(c), &rule) else {
-        return Ok(false);
-    };
     let g = DeviceGemm {
         ldc: n / 2,
         ..DeviceGemm::contiguous(m, n, k)
+    };
+    // A block's 16 weight rows are 8 features' gate and up rows: the plan's block count
+    // (n / 16) is the SwiGLU form's (I / 8).
+    let Some(plan) = skinny_plan((m, n, k), (a_ptr, k), (w_ptr, k), device_limits(c), &rule) else {
+        // The wide kernel's tile of 64 weight rows is 32 features' gate and up rows: its
+        // tile count (n / 64 rounded up) is the SwiGLU form's (I / 32 rounded up), and its
+        // split the same as the plain product's.
+        let Some(plan) = own_wide_plan(c, (m, n, k), (a_ptr, k), (w_ptr, k), &rule) else {
+            return Ok(false);
+        };
+        launch_wide(
+            c,
+            WIDE_SWIGLU[plan.tiles_log2],
+            (a_ptr, w_ptr, o_ptr),
+            &g,
+            &plan,
+            true,
+        )?;
+        return Ok(true);
     };
     let dims = (
         as_c_int(OP, "m", m)?,

@@ -399,51 +399,80 @@ fn strided_case<T: RoundedOut>(
     }
 }
 
-/// The rule the `gemm` conformance cases run under on CUDA: the default's warps and launch,
-/// every weight up to 32 rows, so that the skinny kernel's every entry (1, 2 and 4 n8 tiles,
-/// the SwiGLU epilogue, 8- and 16-warp blocks) meets the oracle, not only the products the
-/// default rule gives it.
+/// The rule the `gemm` conformance cases of the skinny kernel and of cuBLAS run under on
+/// CUDA: the default's warps and launch, every weight up to 32 rows, so that the skinny
+/// kernel's every entry (1, 2 and 4 n8 tiles, the SwiGLU epilogue, 8- and 16-warp blocks)
+/// meets the oracle, not only the products the default rule gives it; 33 to 128 rows go to
+/// the wide kernel (sm_90a).
 #[cfg(any(test, all(feature = "conformance", feature = "cuda")))]
 pub(crate) fn conformance_rule() -> SkinnyRule {
     SkinnyRule {
         max_m: plan::SKINNY_MAX_M,
         max_n: usize::MAX,
+        wide: true,
         ..SkinnyRule::default()
     }
 }
 
-/// Run `f` with the backend's GEMM rule set to [`conformance_rule`] (CUDA; the CPU has none),
-/// restoring the backend's own rule after it.
+/// The rule the wide kernel's cases run under on CUDA: the skinny kernel off, so that the
+/// wide kernel (sm_90a) takes every product of up to 128 rows at 16-byte aligned rows.
+#[cfg(any(test, all(feature = "conformance", feature = "cuda")))]
+pub(crate) fn wide_conformance_rule() -> SkinnyRule {
+    SkinnyRule {
+        max_m: 0,
+        wide: true,
+        ..SkinnyRule::default()
+    }
+}
+
+/// The rule a case of `path` runs under (see [`Path`]).
+#[cfg(any(test, all(feature = "conformance", feature = "cuda")))]
+pub(crate) fn case_rule(path: Path) -> SkinnyRule {
+    match path {
+        Path::Wide => wide_conformance_rule(),
+        Path::Skinny | Path::Cublas => conformance_rule(),
+    }
+}
+
+/// Run `f` with the backend's GEMM rule set to [`case_rule`] of `path` (CUDA; the CPU has
+/// none), restoring the backend's own rule after it.
 #[cfg(any(test, feature = "conformance"))]
-fn under_conformance_rule<R>(be: &Backend, f: impl FnOnce() -> Result<R>) -> Result<R> {
+fn under_case_rule<R>(be: &Backend, path: Path, f: impl FnOnce() -> Result<R>) -> Result<R> {
     match be {
         #[cfg(feature = "cuda")]
         Backend::Cuda(c) => {
             let own = c.gemm_rule();
-            c.set_gemm_rule(conformance_rule());
+            c.set_gemm_rule(case_rule(path));
             let r = f();
             c.set_gemm_rule(own);
             r
         }
-        _ => f(),
+        _ => {
+            let _ = path;
+            f()
+        }
     }
 }
 
-/// Which implementation a case exercises on CUDA (at 16-byte aligned addresses), as
-/// `gemm::plan` decides; `tests::the_conformance_cases_cover_both_sides_of_the_plan` checks
-/// every row of [`CASES`] against the plan.
+/// Which implementation a case exercises on an sm_90a device (at 16-byte aligned addresses,
+/// under its [`case_rule`]), as `gemm::plan` decides; `tests::the_conformance_cases_cover_
+/// every_side_of_the_plan` checks every row of [`CASES`] and [`SWIGLU_CASES`] against the plan.
+/// Elsewhere (other devices, the portable variants) the wide cases run through cuBLAS.
 #[cfg(any(test, feature = "conformance"))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Path {
-    /// The skinny kernel of `kernels/gemm.cu`.
+    /// The skinny kernel of `kernels/gemm.cu` (under [`conformance_rule`]).
     Skinny,
-    /// cuBLAS.
+    /// The wide kernel of `kernels/gemm.cu` (under [`wide_conformance_rule`], or under
+    /// [`conformance_rule`] above 32 rows).
+    Wide,
+    /// cuBLAS (under [`conformance_rule`]: shapes or strides both kernels refuse).
     Cublas,
 }
 
 /// One case: name, (m, n, k), row padding (`None`: the public op on dense operands; `Some`:
 /// the device helper over padded rows, [`strided_case`]), accumulate, BF16 output, seed, heavy,
-/// and the implementation it exercises on CUDA.
+/// and the implementation it exercises on an sm_90a device.
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) type CaseSpec = (
     &'static str,
@@ -456,22 +485,24 @@ pub(crate) type CaseSpec = (
     Path,
 );
 
-/// The conformance cases: on CUDA (under [`conformance_rule`]) the products `gemm::plan` gives
-/// the skinny kernel (m <= 32, k % 32 == 0, 16-byte aligned rows: every n8-tile count, n not a multiple
-/// of 16, fewer chunks a warp than ring stages, strides and accumulate, grids of 8 and 16 warps
-/// a block, the drafts' B = 1 and 2 shapes up to the 27B MLP), and around them cuBLAS (k 33,
-/// m 64 / 128, an odd stride).
+/// The conformance cases: the products `gemm::plan` gives the skinny kernel (m <= 32, k % 32
+/// == 0, 16-byte aligned rows: every n8-tile count, n not a multiple of 16, fewer chunks a
+/// warp than ring stages, strides and accumulate, grids of 8 and 16 warps a block, the drafts'
+/// B = 1 and 2 shapes up to the 27B MLP); those of the wide kernel (every n8-tile count 1 to
+/// 16, n not a multiple of 64, k not a multiple of 64, one chunk, fewer chunks than splits
+/// would want, clusters of 1 to 8 blocks, strides and accumulate, the drafts' shapes at B = 1
+/// and 8); and around them cuBLAS (k 33, an odd stride, more than 128 rows).
 #[cfg(any(test, feature = "conformance"))]
 #[rustfmt::skip]
-pub(crate) const CASES: [CaseSpec; 21] = {
-    use Path::{Cublas, Skinny};
+pub(crate) const CASES: [CaseSpec; 36] = {
+    use Path::{Cublas, Skinny, Wide};
     [
         ("odd_m3_n17_k33_f32", (3, 17, 33), None, false, false, 1, false, Cublas),
         ("odd_m3_n17_k33_bf16", (3, 17, 33), None, false, true, 2, false, Cublas),
         ("m1_n256_k512_bf16", (1, 256, 512), None, false, true, 3, false, Skinny),
         ("m8_n1000_k2048_f32", (8, 1000, 2048), None, false, false, 8, false, Skinny),
         ("m24_n333_k96_bf16", (24, 333, 96), None, false, true, 9, false, Skinny),
-        ("m64_n520_k4096_bf16", (64, 520, 4096), None, false, true, 10, false, Cublas),
+        ("m64_n520_k4096_bf16", (64, 520, 4096), None, false, true, 10, false, Wide),
         ("m5_n40_k64_f32", (5, 40, 64), None, false, false, 11, false, Skinny),
         ("m13_n2048_k96_bf16", (13, 2048, 96), None, false, true, 18, false, Skinny),
         ("m16_n1024_k2048_f32_35b_k", (16, 1024, 2048), None, false, false, 19, false, Skinny),
@@ -481,27 +512,42 @@ pub(crate) const CASES: [CaseSpec; 21] = {
         ("strided_accumulate_m16_n100_k256_pad8_f32", (16, 100, 256), Some(8), true, false, 13, false, Skinny),
         ("strided_accumulate_m9_n70_k512_pad16_bf16", (9, 70, 512), Some(16), true, true, 14, false, Skinny),
         ("strided_unaligned_m4_n30_k64_pad3_bf16", (4, 30, 64), Some(3), false, true, 15, false, Cublas),
-        ("m128_n1024_k2048_f32", (128, 1024, 2048), None, false, false, 4, true, Cublas),
+        ("m136_n70_k64_bf16", (136, 70, 64), None, false, true, 22, false, Cublas),
+        ("m128_n1024_k2048_f32", (128, 1024, 2048), None, false, false, 4, true, Wide),
         ("m16_n6144_k2048_f32_35b_mlp", (16, 6144, 2048), None, false, false, 5, true, Skinny),
         ("m16_n6144_k2048_bf16_35b_mlp", (16, 6144, 2048), None, false, true, 6, true, Skinny),
         ("m16_n17408_k5120_bf16_27b_mlp", (16, 17408, 5120), None, false, true, 7, true, Skinny),
         ("m16_n5120_k17408_bf16_27b_down", (16, 5120, 17408), None, false, true, 16, true, Skinny),
         ("m32_n1024_k5120_f32_27b_kv", (32, 1024, 5120), None, false, false, 17, true, Skinny),
+        ("wide_m1_n64_k64_bf16", (1, 64, 64), None, false, true, 51, false, Wide),
+        ("wide_m5_n100_k200_f32", (5, 100, 200), None, false, false, 52, false, Wide),
+        ("wide_m13_n2048_k96_bf16", (13, 2048, 96), None, false, true, 53, false, Wide),
+        ("wide_m16_n1000_k2048_f32", (16, 1000, 2048), None, false, false, 54, false, Wide),
+        ("wide_m24_n333_k4096_bf16", (24, 333, 4096), None, false, true, 55, false, Wide),
+        ("wide_m40_n130_k1032_bf16", (40, 130, 1032), None, false, true, 56, false, Wide),
+        ("wide_m100_n200_k512_f32", (100, 200, 512), None, false, false, 57, false, Wide),
+        ("wide_strided_accumulate_m16_n100_k256_pad8_f32", (16, 100, 256), Some(8), true, false, 58, false, Wide),
+        ("wide_strided_accumulate_m9_n70_k520_pad16_bf16", (9, 70, 520), Some(16), true, true, 59, false, Wide),
+        ("wide_strided_m72_n130_k192_pad8_bf16", (72, 130, 192), Some(8), false, true, 60, false, Wide),
+        ("wide_m16_n4096_k2048_bf16_35b_q", (16, 4096, 2048), None, false, true, 61, true, Wide),
+        ("wide_m16_n2048_k6144_bf16_35b_down", (16, 2048, 6144), None, false, true, 62, true, Wide),
+        ("wide_m128_n2048_k4096_bf16_35b_o", (128, 2048, 4096), None, false, true, 63, true, Wide),
+        ("wide_m8_n1024_k5120_f32_27b_kv", (8, 1024, 5120), None, false, false, 64, true, Wide),
     ]
 };
 
-/// Conformance cases: [`CASES`].
+/// Conformance cases: [`CASES`], then [`SWIGLU_CASES`].
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
     CASES
         .iter()
         .map(
-            |&(name, (m, n, k), pad, accumulate, bf16_out, seed, heavy, _)| {
+            |&(name, (m, n, k), pad, accumulate, bf16_out, seed, heavy, path)| {
                 let c = match pad {
                     None => {
                         let run = case(m, n, k, seed, bf16_out);
                         Case::new(OP, name, move |be: &Backend| {
-                            under_conformance_rule(be, || run(be))
+                            under_case_rule(be, path, || run(be))
                         })
                     }
                     Some(pad) => {
@@ -515,12 +561,12 @@ pub(crate) fn cases() -> Vec<Case> {
                         if bf16_out {
                             let run = strided_case::<bf16>(s, seed);
                             Case::new(OP, name, move |be: &Backend| {
-                                under_conformance_rule(be, || run(be))
+                                under_case_rule(be, path, || run(be))
                             })
                         } else {
                             let run = strided_case::<f32>(s, seed);
                             Case::new(OP, name, move |be: &Backend| {
-                                under_conformance_rule(be, || run(be))
+                                under_case_rule(be, path, || run(be))
                             })
                         }
                     }
@@ -528,34 +574,46 @@ pub(crate) fn cases() -> Vec<Case> {
                 if heavy { c.heavy() } else { c }
             },
         )
-        .chain(SWIGLU_CASES.iter().map(|&(name, (m, n, k), seed, heavy)| {
-            let run = swiglu_case(m, n, k, seed);
-            let c = Case::new(OP, name, move |be: &Backend| {
-                under_conformance_rule(be, || run(be))
-            });
-            if heavy { c.heavy() } else { c }
-        }))
+        .chain(
+            SWIGLU_CASES
+                .iter()
+                .map(|&(name, (m, n, k), seed, heavy, path)| {
+                    let run = swiglu_case(m, n, k, seed);
+                    let c = Case::new(OP, name, move |be: &Backend| {
+                        under_case_rule(be, path, || run(be))
+                    });
+                    if heavy { c.heavy() } else { c }
+                }),
+        )
         .collect()
 }
 
-/// One [`run_swiglu`] case: name, (m, n = 2 I, k), seed, heavy.
+/// One [`run_swiglu`] case: name, (m, n = 2 I, k), seed, heavy, the implementation it
+/// exercises on an sm_90a device (see [`Path`]).
 #[cfg(any(test, feature = "conformance"))]
-pub(crate) type SwigluCase = (&'static str, (usize, usize, usize), u64, bool);
+pub(crate) type SwigluCase = (&'static str, (usize, usize, usize), u64, bool, Path);
 
-/// The [`run_swiglu`] cases. On CUDA the first five take
-/// the skinny kernel's SwiGLU epilogue (m <= 32: each n8-tile count, I not a multiple of 8,
-/// the drafts' MLP shapes at B = 1 and 2), the last the unfused path (m = 40: cuBLAS, then
-/// the `swiglu` kernel).
+/// The [`run_swiglu`] cases: the skinny kernel's SwiGLU epilogue (m <= 32: each n8-tile
+/// count, I not a multiple of 8, the drafts' MLP shapes at B = 1 and 2), the wide kernel's
+/// (n8-tile counts 1 to 16, I not a multiple of 32, k not a multiple of 64, the 35B-A3B's MLP
+/// at B = 8), and the unfused path (m = 136: cuBLAS, then the `swiglu` kernel).
 #[cfg(any(test, feature = "conformance"))]
 #[rustfmt::skip]
-pub(crate) const SWIGLU_CASES: [SwigluCase; 6] = [
-    ("swiglu_m5_n96_k64", (5, 96, 64), 41, false),
-    ("swiglu_m13_n70_k512", (13, 70, 512), 42, false),
-    ("swiglu_m32_n1000_k256", (32, 1000, 256), 43, false),
-    ("swiglu_m16_n12288_k2048_35b", (16, 12288, 2048), 44, true),
-    ("swiglu_m32_n34816_k5120_27b", (32, 34816, 5120), 45, true),
-    ("swiglu_m40_n256_k128_unfused", (40, 256, 128), 46, false),
-];
+pub(crate) const SWIGLU_CASES: [SwigluCase; 10] = {
+    use Path::{Cublas, Skinny, Wide};
+    [
+        ("swiglu_m5_n96_k64", (5, 96, 64), 41, false, Skinny),
+        ("swiglu_m13_n70_k512", (13, 70, 512), 42, false, Skinny),
+        ("swiglu_m32_n1000_k256", (32, 1000, 256), 43, false, Skinny),
+        ("swiglu_m16_n12288_k2048_35b", (16, 12288, 2048), 44, true, Skinny),
+        ("swiglu_m32_n34816_k5120_27b", (32, 34816, 5120), 45, true, Skinny),
+        ("swiglu_m136_n256_k128_unfused", (136, 256, 128), 46, false, Cublas),
+        ("swiglu_wide_m5_n96_k64", (5, 96, 64), 47, false, Wide),
+        ("swiglu_wide_m13_n70_k520", (13, 70, 520), 48, false, Wide),
+        ("swiglu_wide_m64_n1000_k256", (64, 1000, 256), 49, false, Wide),
+        ("swiglu_wide_m128_n12288_k2048_35b", (128, 12288, 2048), 50, true, Wide),
+    ]
+};
 
 /// A [`run_swiglu`] case. Outputs: `out` against the composition's f64 oracle (each half's
 /// sum rounded once to BF16, then silu(G) U rounded once), within what one BF16 flip of G or

@@ -28,8 +28,12 @@ pub struct SkinnyRule {
     pub warps_many: usize,
     /// Launch it as a programmatic dependent of the kernel ahead (compute capability 9.0 and
     /// later, where the backend launches dependents at all), so that its weight prefetch
-    /// overlaps that kernel's end.
+    /// overlaps that kernel's end (the wide kernel's launch too).
     pub dependent: bool,
+    /// Give the products the skinny kernel does not take, up to 128 rows, to the wide kernel
+    /// (wgmma + TMA with the reduction split over a cluster; sm_90a devices only, where the
+    /// backend uses the sm_90a variants) instead of cuBLAS.
+    pub wide: bool,
 }
 
 impl Default for SkinnyRule {
@@ -47,6 +51,7 @@ impl Default for SkinnyRule {
             warps: 16,
             warps_many: 8,
             dependent: true,
+            wide: true,
         }
     }
 }
@@ -129,4 +134,100 @@ pub(crate) fn skinny_plan(
         smem: warps * per_warp,
         dependent: rule.dependent,
     })
+}
+
+/// The most rows of A the wide kernel takes (16 n8 tiles: one m64n128k16 wgmma).
+pub(crate) const WIDE_MAX_M: usize = 128;
+
+/// Weight rows of a wide tile (`GW_ROWS` of the kernel: one m64 wgmma).
+pub(crate) const WIDE_ROWS: usize = 64;
+
+/// Reduction elements of a wide stage (`GW_KC`: one 128-byte swizzled row).
+pub(crate) const WIDE_KC: usize = 64;
+
+/// Blocks of a wide cluster at most (the portable cluster size): the splits of a tile's
+/// reduction.
+pub(crate) const WIDE_MAX_SPLITS: usize = 8;
+
+/// Pipeline bytes a wide block aims for (at most 8 stages): about three blocks an SM, each
+/// with as many weight bytes in flight as its A tile leaves room for.
+const WIDE_PIPE_BUDGET: usize = 72 * 1024;
+
+/// A wide block's fixed cost in chunks of the reduction (its pipeline's fill and the
+/// cluster's reduction), as [`wide_splits`] weighs it.
+const WIDE_BLOCK_COST: usize = 2;
+
+/// How the wide kernel runs one product: which entry, its pipeline and its tiles (the split
+/// of the reduction, which depends on how many blocks fit an SM, is [`wide_splits`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WidePlan {
+    /// n8 tiles of A's rows: `1 << tiles_log2` (1, 2, 4, 8 or 16).
+    pub tiles_log2: usize,
+    /// Weight tiles: 64 rows each (the SwiGLU form, `n = 2 I`: 32 features each, the same
+    /// count).
+    pub tiles: usize,
+    /// Shared-memory stages of the pipeline (2 to 8).
+    pub stages: usize,
+    /// Dynamic shared memory of a block in bytes: 1024 bytes of alignment slack, the stages,
+    /// their two mbarriers each.
+    pub smem: usize,
+    /// Launched as a programmatic dependent of the kernel ahead (the rule's `dependent`).
+    pub dependent: bool,
+}
+
+/// Bytes of one wide stage for `nt` n8 tiles: the 64 x 64 weight box and the 8 nt x 64 box
+/// of A (`STAGE_BYTES` of the kernel, a multiple of the swizzle's 1024 bytes).
+pub(crate) fn wide_stage_bytes(nt: usize) -> usize {
+    (WIDE_ROWS + 8 * nt) * WIDE_KC * 2
+}
+
+/// The wide kernel's plan for `C[m, n] (+)= A[m, k] W[n, k]^T` under `rule`, with blocks of
+/// at most `smem_optin` bytes of shared memory, or `None` where it does not take the
+/// product: the rule's `wide` off, no row or more than 128 rows, A or W not 16-byte aligned
+/// at every row (address and stride: what TMA needs), or not even two stages fitting. It
+/// takes any `n >= 1` and `k >= 1` (rows and the reduction's tail past the tensors read as
+/// zero). Whether the device may run it at all (sm_90a) is the launcher's to ask.
+pub(crate) fn wide_plan(
+    (m, n, k): (usize, usize, usize),
+    (a, lda): (u64, usize),
+    (w, ldw): (u64, usize),
+    smem_optin: usize,
+    rule: &SkinnyRule,
+) -> Option<WidePlan> {
+    let aligned = |addr: u64, ld: usize| addr.is_multiple_of(16) && ld.is_multiple_of(8);
+    if !rule.wide
+        || m == 0
+        || m > WIDE_MAX_M
+        || n == 0
+        || k == 0
+        || !aligned(a, lda)
+        || !aligned(w, ldw)
+    {
+        return None;
+    }
+    let nt = m.div_ceil(8).next_power_of_two();
+    let stage = wide_stage_bytes(nt);
+    let smem_of = |stages: usize| 1024 + stages * stage + 2 * stages * 8;
+    let stages = (WIDE_PIPE_BUDGET / stage).clamp(2, 8);
+    let stages = (2..=stages).rev().find(|&s| smem_of(s) <= smem_optin)?;
+    Some(WidePlan {
+        tiles_log2: nt.trailing_zeros() as usize,
+        tiles: n.div_ceil(WIDE_ROWS),
+        stages,
+        smem: smem_of(stages),
+        dependent: rule.dependent,
+    })
+}
+
+/// The split of each tile's reduction (the cluster's blocks, 1 to 8) for `tiles` weight tiles
+/// over `k` elements on a device with `slots` resident wide blocks: the split that minimizes
+/// waves x (chunks a block + [`WIDE_BLOCK_COST`]), waves being how many times the grid
+/// (`tiles * split` blocks) fills the slots; the smaller split on a tie, and never more
+/// splits than 64-element chunks.
+pub(crate) fn wide_splits(tiles: usize, k: usize, slots: usize) -> usize {
+    let chunks = k.div_ceil(WIDE_KC).max(1);
+    let slots = slots.max(1);
+    (1..=WIDE_MAX_SPLITS.min(chunks))
+        .min_by_key(|&s| (tiles * s).div_ceil(slots) * (chunks.div_ceil(s) + WIDE_BLOCK_COST))
+        .unwrap_or(1)
 }

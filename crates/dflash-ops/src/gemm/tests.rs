@@ -347,6 +347,7 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
         warps: 40,
         warps_many: 0,
         dependent: true,
+        wide: true,
     };
     let with = |m, n, r: &SkinnyRule| skinny_plan((m, n, 2048), (0, 2048), (0, 2048), dev, r);
     assert_eq!(with(17, 64, &narrow), None);
@@ -373,8 +374,8 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
 
 /// The plan mirrors the kernel's constants: its launch bound and its ring depth.
 #[test]
-fn skinny_plan_mirrors_the_kernel_constants() {
-    use super::plan::{MAX_WARPS, STAGES};
+fn the_plans_mirror_the_kernel_constants() {
+    use super::plan::{MAX_WARPS, STAGES, WIDE_KC, WIDE_ROWS};
     let src = include_str!("../../../../kernels/gemm.cu");
     let define = |name: &str| -> usize {
         let line = src
@@ -382,31 +383,138 @@ fn skinny_plan_mirrors_the_kernel_constants() {
             .find(|l| l.starts_with(&format!("#define {name} ")))
             .unwrap_or_else(|| panic!("kernels/gemm.cu defines {name}"));
         line[format!("#define {name} ").len()..]
+            .split("//")
+            .next()
+            .unwrap_or_default()
             .trim()
             .parse()
             .unwrap_or_else(|e| panic!("{line}: {e}"))
     };
     assert_eq!(define("GEMM_MAX_WARPS"), MAX_WARPS);
     assert_eq!(define("GEMM_STAGES"), STAGES);
+    assert_eq!(define("GW_ROWS"), WIDE_ROWS);
+    assert_eq!(define("GW_KC"), WIDE_KC);
+}
+
+#[test]
+fn wide_plan_takes_aligned_products_of_up_to_128_rows() {
+    use super::plan::{WIDE_MAX_M, WidePlan, wide_plan, wide_stage_bytes};
+    let optin = 232_448; // H200: shared memory a block may use
+    let rule = SkinnyRule::default();
+    let plan = |m, n, k, a, lda, w, ldw| wide_plan((m, n, k), (a, lda), (w, ldw), optin, &rule);
+    // Refused: no rows, too many rows, no weight rows, misaligned address or stride, the
+    // rule's `wide` off.
+    assert_eq!(plan(0, 64, 64, 0, 64, 0, 64), None);
+    assert_eq!(plan(WIDE_MAX_M + 1, 64, 64, 0, 64, 0, 64), None);
+    assert_eq!(plan(16, 0, 64, 0, 64, 0, 64), None);
+    assert_eq!(plan(16, 64, 64, 8, 64, 0, 64), None);
+    assert_eq!(plan(16, 64, 64, 0, 64, 2, 64), None);
+    assert_eq!(plan(16, 64, 60, 0, 60, 0, 64), None);
+    assert_eq!(plan(16, 64, 64, 0, 64, 0, 68), None);
+    let off = SkinnyRule {
+        wide: false,
+        ..rule
+    };
+    assert_eq!(wide_plan((16, 64, 64), (0, 64), (0, 64), optin, &off), None);
+    // Any k (the tail past it reads as zero), any n; n8 tiles 1, 2, 4, 8, 16 (never 3).
+    for (m, log2) in [(1, 0), (8, 0), (9, 1), (16, 1), (17, 2), (32, 2), (33, 3), (64, 3), (65, 4), (128, 4)] {
+        let p = plan(m, 100, 200, 256, 200, 4096, 200).expect("aligned, m <= 128");
+        assert_eq!(p.tiles_log2, log2, "m = {m}");
+    }
+    // A tile per 64 weight rows (rounding up); stages within the 72 KB budget (2 to 8), the
+    // smem their boxes, 1024 bytes of slack and two mbarriers each.
+    let p = plan(16, 4096, 2048, 0, 2048, 0, 2048).expect("taken");
+    assert_eq!(wide_stage_bytes(2), (64 + 16) * 128);
+    assert_eq!(
+        p,
+        WidePlan {
+            tiles_log2: 1,
+            tiles: 64,
+            stages: 7,
+            smem: 1024 + 7 * 80 * 128 + 7 * 16,
+            dependent: true,
+        }
+    );
+    assert_eq!(plan(16, 4097, 2048, 0, 2048, 0, 2048).map(|p| p.tiles), Some(65));
+    assert_eq!(plan(1, 64, 64, 0, 64, 0, 64).map(|p| p.stages), Some(8));
+    assert_eq!(plan(128, 64, 64, 0, 64, 0, 64).map(|p| p.stages), Some(3));
+    // The reduction's partial tile (8 nt columns of 68 floats) always fits the stages.
+    for m in [1, 16, 32, 64, 128] {
+        let p = plan(m, 64, 64, 0, 64, 0, 64).expect("taken");
+        let nc = 8 << p.tiles_log2;
+        assert!(nc * 68 * 4 <= p.stages * wide_stage_bytes(1 << p.tiles_log2), "m = {m}");
+    }
+    // Fewer stages where the device allows less shared memory; none below two.
+    let small = wide_plan((128, 64, 64), (0, 64), (0, 64), 60 * 1024, &rule).expect("two fit");
+    assert_eq!(small.stages, 2);
+    assert_eq!(wide_plan((128, 64, 64), (0, 64), (0, 64), 40 * 1024, &rule), None);
+    // The launch follows the rule.
+    let ordinary = SkinnyRule {
+        dependent: false,
+        ..rule
+    };
+    assert_eq!(
+        wide_plan((16, 64, 64), (0, 64), (0, 64), optin, &ordinary).map(|p| p.dependent),
+        Some(false)
+    );
+}
+
+#[test]
+fn wide_splits_fill_the_device_without_more_waves() {
+    use super::plan::wide_splits;
+    // H200, three blocks an SM: 396 slots. The 35B-A3B's weights at 2048 or more elements.
+    let slots = 3 * 132;
+    assert_eq!(wide_splits(192, 2048, slots), 2, "gate/up fused: 384 blocks in one wave");
+    assert_eq!(wide_splits(64, 2048, slots), 6, "q: 384 blocks");
+    assert_eq!(wide_splits(32, 4096, slots), 8, "o: at most 8 a cluster");
+    assert_eq!(wide_splits(8, 2048, slots), 8, "k / v");
+    // Never more splits than 64-element chunks; one for a single chunk or a full device.
+    assert_eq!(wide_splits(1, 64, slots), 1);
+    assert_eq!(wide_splits(1, 200, slots), 4);
+    assert_eq!(wide_splits(1, 65, slots), 2);
+    assert_eq!(wide_splits(396, 2048, slots), 1);
+    // More tiles than slots: the split that wastes the least of the last wave.
+    assert_eq!(wide_splits(544, 5120, slots), 2, "27B gate/up fused");
+    // Degenerate inputs stay in range.
+    assert_eq!(wide_splits(0, 0, 0), 1);
+    for tiles in [1, 7, 100, 1000] {
+        for k in [1, 64, 1000, 17408] {
+            let s = wide_splits(tiles, k, slots);
+            assert!((1..=8).contains(&s) && s <= k.div_ceil(64), "{tiles} {k}");
+        }
+    }
 }
 
 /// Which implementation each conformance case exercises on CUDA (at aligned addresses) is
 /// the one its row of `CASES` names: the skinny kernel's cases must stay on it, or a plan that
 /// refused everything would let every case pass on cuBLAS alone.
 #[test]
-fn the_conformance_cases_cover_both_sides_of_the_plan() {
+fn the_conformance_cases_cover_every_side_of_the_plan() {
     use super::Path;
-    use super::plan::skinny_plan;
-    // The cases name their path under a rule that takes every weight up to 32 rows (the
-    // conformance run sets it for the gemm cases, see `gemm::conformance_rule`).
-    let rule = super::conformance_rule();
-    for (name, (m, n, k), pad, .., path) in super::CASES {
-        let ld = k + pad.unwrap_or(0);
-        let takes = skinny_plan((m, n, k), (0, ld), (0, ld), (132, 232_448), &rule).is_some();
-        assert_eq!(takes, path == Path::Skinny, "{name}");
+    use super::plan::{skinny_plan, wide_plan};
+    // The path a product takes on an sm_90a device (an H200) under a case's rule.
+    let path = |(m, n, k): (usize, usize, usize), ld: usize, p: Path| {
+        let rule = super::case_rule(p);
+        if skinny_plan((m, n, k), (0, ld), (0, ld), (132, 232_448), &rule).is_some() {
+            Path::Skinny
+        } else if wide_plan((m, n, k), (0, ld), (0, ld), 232_448, &rule).is_some() {
+            Path::Wide
+        } else {
+            Path::Cublas
+        }
+    };
+    for (name, shape, pad, .., p) in super::CASES {
+        assert_eq!(path(shape, shape.2 + pad.unwrap_or(0), p), p, "{name}");
     }
-    for side in [Path::Skinny, Path::Cublas] {
+    for (name, shape, .., p) in super::SWIGLU_CASES {
+        assert_eq!(path(shape, shape.2, p), p, "{name}");
+    }
+    for side in [Path::Skinny, Path::Wide, Path::Cublas] {
         assert!(super::CASES.iter().any(|c| c.7 == side), "no {side:?} case");
+        assert!(
+            super::SWIGLU_CASES.iter().any(|c| c.4 == side),
+            "no {side:?} SwiGLU case"
+        );
     }
 }
 

@@ -301,14 +301,14 @@ pub(crate) struct HeadKernels {
 pub(crate) mod cuda {
     //! Launch of the fused head GEMM (`{op}_gemm_nt{NT}`), shared by both head ops.
 
-    use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, sys};
+    use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
     use half::bf16;
 
     use super::{
         Driver, HeadKernels, MAX_PARTIAL_BLOCKS, NT_CHOICES, Params, consumers, plan_tiles,
         smem_bytes,
     };
-    use crate::cuda::{CudaBackend, SM90A, cuda_err};
+    use crate::cuda::{CudaBackend, SM90A, cuda_err, tensor_map};
     use crate::{Buffer, OpsError, Result};
 
     /// Threads of a GEMM block (`PH_BLOCK_THREADS`): one warpgroup; for the wgmma driver two
@@ -318,61 +318,6 @@ pub(crate) mod cuda {
             Driver::Portable => 128,
             Driver::Wgmma => 384,
         }
-    }
-
-    /// A TMA descriptor passed by value to the wgmma kernels (`PhTmap`).
-    #[repr(transparent)]
-    #[derive(Clone, Copy)]
-    struct TensorMap(sys::CUtensorMap);
-
-    // SAFETY: plain old data (the driver's opaque 128-byte descriptor), passed by value as the
-    // kernels' `const __grid_constant__ PhTmap` parameters.
-    unsafe impl DeviceRepr for TensorMap {}
-
-    /// The TMA map of a row-major BF16 matrix `[outer, inner]` at device address `ptr`, read
-    /// in boxes of `box_outer` rows x 64 elements with the 128-byte swizzle; reads past the
-    /// matrix are zero-filled.
-    fn tensor_map(
-        op: &'static str,
-        tensor: &'static str,
-        ptr: sys::CUdeviceptr,
-        inner: usize,
-        outer: usize,
-        box_outer: u32,
-    ) -> Result<TensorMap> {
-        let dims = [inner as u64, outer as u64];
-        let strides = [inner as u64 * 2];
-        let boxes = [64u32, box_outer];
-        let steps = [1u32, 1];
-        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-        // SAFETY: every pointer is valid for the rank (2) the call reads; `ptr` is the
-        // 256-byte aligned start of a device allocation of outer * inner BF16 elements
-        // (checked by the op's `run`); the strides are multiples of 16 bytes (inner is a
-        // multiple of 8).
-        let status = unsafe {
-            sys::cuTensorMapEncodeTiled(
-                map.as_mut_ptr(),
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                2,
-                ptr as *mut std::ffi::c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                steps.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        };
-        if status != sys::CUresult::CUDA_SUCCESS {
-            return Err(OpsError::Cuda {
-                context: format!("encoding the TMA map of {op}'s {tensor} [{outer}, {inner}]"),
-                message: format!("{status:?}"),
-            });
-        }
-        // SAFETY: cuTensorMapEncodeTiled succeeded, so it wrote the whole descriptor.
-        Ok(TensorMap(unsafe { map.assume_init() }))
     }
 
     /// Launch the fused GEMM of `k` (the wgmma driver on an sm_90a backend, the portable one
@@ -450,8 +395,8 @@ pub(crate) mod cuda {
                 let (hp, _hg) = hidden_d.device_ptr(c.stream());
                 let (wp, _wg) = head_d.device_ptr(c.stream());
                 Some((
-                    tensor_map(op, "hidden", hp, p.hidden, p.n, 8 * nt as u32)?,
-                    tensor_map(op, "head", wp, p.hidden, p.rows, 128)?,
+                    tensor_map(op, "hidden", hp, (p.hidden, p.n, p.hidden), (64, 8 * nt as u32))?,
+                    tensor_map(op, "head", wp, (p.hidden, p.rows, p.hidden), (64, 128))?,
                 ))
             }
         };
