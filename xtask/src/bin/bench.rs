@@ -9,8 +9,8 @@
 //! backend to the portable kernel variants (no sm_90a variants of the heads and attention), for
 //! comparison. `--gemm-rule` sets the skinny GEMM's rule (`gemm::SkinnyRule`: the most rows,
 //! the most weight rows, warps a block on grids of at most two blocks an SM and on larger
-//! ones, 1 to launch it as a dependent or 0, and optionally 1 or 0 for the wide kernel on
-//! sm_90a) instead of the default, to measure another.
+//! ones, 1 to launch it as a dependent or 0, and optionally the wide kernel's most rows on
+//! sm_90a, 0 for none) instead of the default, to measure another.
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
 //! `--only SUBSTRING` keeps the groups whose name contains it: `attention`, `head`, `gemm`
 //! (its own report, below), `block`, `round` (`--only round`: the round rows alone, over B in
@@ -1027,7 +1027,7 @@ fn main() -> Result<()> {
     };
     let cuda = CudaBackend::with_options(0, options).context("opening CUDA device 0")?;
     // `--gemm-rule M,N,W,WMANY,DEP[,WIDE]`: the own GEMMs' rule instead of the default
-    // (WIDE, the wide kernel on or off, defaults to the default rule's).
+    // (WIDE, the wide kernel's most rows, defaults to the default rule's).
     if let Some(v) = value("--gemm-rule")? {
         let n: Vec<usize> = v
             .split(',')
@@ -1037,11 +1037,10 @@ fn main() -> Result<()> {
                 anyhow!("--gemm-rule {v}: expected M,N,W,WMANY,DEP[,WIDE] as integers ({e})")
             })?;
         let (max_m, max_n, warps, warps_many, dep, wide) = match n[..] {
-            [m, n, w, wm, d @ (0 | 1)] => (m, n, w, wm, d, gemm::SkinnyRule::default().wide),
-            [m, n, w, wm, d @ (0 | 1), x @ (0 | 1)] => (m, n, w, wm, d, x == 1),
+            [m, n, w, wm, d @ (0 | 1)] => (m, n, w, wm, d, gemm::SkinnyRule::default().wide_max_m),
+            [m, n, w, wm, d @ (0 | 1), x] => (m, n, w, wm, d, x),
             _ => bail!(
-                "--gemm-rule {v}: expected five or six integers M,N,W,WMANY,DEP[,WIDE] \
-                 (DEP and WIDE 0 or 1)"
+                "--gemm-rule {v}: expected five or six integers M,N,W,WMANY,DEP[,WIDE] (DEP 0 or 1)"
             ),
         };
         cuda.set_gemm_rule(gemm::SkinnyRule {
@@ -1050,7 +1049,7 @@ fn main() -> Result<()> {
             warps,
             warps_many,
             dependent: dep == 1,
-            wide,
+            wide_max_m: wide,
         });
     }
     let out = value("--out")?;

@@ -8,7 +8,8 @@
 //! exits 1 when any compile fails, 3 when NVRTC or the headers cannot be found.
 //! `--resources` compiles each (module, arch) through ptxas with `-v` instead and prints one
 //! line per entry point (registers, stack frame, spill bytes per thread, `SPILLS` where ptxas
-//! spilled registers to local memory) and a count of the spilling entries; it exits 1 only
+//! spilled registers to local memory), ptxas's warnings as they are, and a count of the
+//! spilling entries and of the warnings; it exits 1 only
 //! when a compile fails (some spills are known and small: the report is for comparing builds).
 //!
 //! No GPU and no CUDA toolkit install are needed: NVRTC and the headers of the PyPI wheels
@@ -81,7 +82,7 @@ fn main() -> ExitCode {
 
 /// `--resources`: every entry point's registers, stack frame and spills per (module, arch).
 fn resources(jobs: Vec<(&'static str, String, String)>, include: &str) -> ExitCode {
-    let (mut failed, mut spilling) = (0, 0);
+    let (mut failed, mut spilling, mut warnings) = (0, 0, 0);
     println!(
         "{:<26} {:<7} {:<44} {:>4} {:>6} {:>7} {:>7}",
         "module", "arch", "entry", "regs", "stack", "spill>", "spill<"
@@ -89,6 +90,15 @@ fn resources(jobs: Vec<(&'static str, String, String)>, include: &str) -> ExitCo
     for (module, source, arch) in jobs {
         match dflash_ops::cuda::ptxas_log(module, &source, &arch, include) {
             Ok(log) => {
+                // ptxas's warnings and performance notes (a serialized wgmma chain) name no entry point
+                // in a form `parse` reads: shown as they are.
+                for w in log
+                    .lines()
+                    .filter(|l| l.contains("warning") || l.contains("Performance Loss"))
+                {
+                    warnings += 1;
+                    println!("{module:<26} {arch:<7} {}", w.trim());
+                }
                 for u in ptxas::parse(&log) {
                     spilling += usize::from(u.spills());
                     println!(
@@ -109,7 +119,9 @@ fn resources(jobs: Vec<(&'static str, String, String)>, include: &str) -> ExitCo
             }
         }
     }
-    println!("{spilling} entry point(s) spill registers to local memory");
+    println!(
+        "{spilling} entry point(s) spill registers to local memory; {warnings} ptxas warning(s)"
+    );
     if failed > 0 {
         eprintln!("dflash-kernels: {failed} compile(s) failed");
         return ExitCode::from(1);

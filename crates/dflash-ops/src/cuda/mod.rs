@@ -1113,6 +1113,25 @@ impl CudaBackend {
                 }
             })?,
         );
+        // Reductions in the compute type (FP32), never in the output's: with BF16 output
+        // cuBLAS may otherwise split the reduction and add BF16-rounded partial sums, which
+        // breaks the `gemm` contract's single rounding (found by the conformance case
+        // `gemm/wide_m40_n130_k1032_bf16` on the portable variants, H100: 608 of 5200
+        // elements a BF16 ulp off).
+        // The mode is the default math (0) with the reduction flag (16) set.
+        // SAFETY: the handle was just created and is not yet shared.
+        let status = unsafe {
+            cudarc::cublas::sys::cublasSetMathMode(
+                *blas.handle(),
+                cudarc::cublas::sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+            )
+        };
+        if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(OpsError::Cuda {
+                context: "setting the cuBLAS math mode (FP32 reductions)".into(),
+                message: format!("{status:?}"),
+            });
+        }
         *guard = Some(blas.clone());
         Ok(blas)
     }

@@ -226,7 +226,8 @@ where
         ) {
             return launch_skinny::<T>(c, (a_ptr, w_ptr, c_ptr), (m, n, k), g, &plan);
         }
-        if let Some(plan) = own_wide_plan(c, (g.m, g.n, g.k), (a_ptr, g.lda), (w_ptr, g.ldw), &rule) {
+        if let Some(plan) = own_wide_plan(c, (g.m, g.n, g.k), (a_ptr, g.lda), (w_ptr, g.ldw), &rule)
+        {
             let name = T::WIDE[plan.tiles_log2];
             return launch_wide(c, name, (a_ptr, w_ptr, c_ptr), g, &plan, false);
         }
@@ -382,6 +383,15 @@ fn launch_wide(
         WIDE_THREADS,
         plan.smem,
     )?;
+    // As much of the SM's L1 / shared memory as shared memory: the plan counts on several
+    // blocks an SM (a hint the driver keeps unless the kernel cannot run with it).
+    use cudarc::driver::sys::CUfunction_attribute_enum as F;
+    kernel
+        .func
+        .set_attribute(F::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+        .map_err(crate::cuda::cuda_err(format!(
+            "preferring shared memory for {name}"
+        )))?;
     let slots = kernel.blocks_per_sm * c.limits().sm_count;
     let splits = if c.uses_clusters() {
         wide_splits(plan.tiles, g.k, slots)

@@ -27,22 +27,33 @@
 //! same product on any device slices or views with explicit row strides and an optional
 //! accumulate (`beta = 1`), for the launchers of the other ops.
 //!
-//! CUDA. Two implementations, chosen per product by `gemm::plan::skinny_plan` from its shape,
-//! the alignment of its operands, the device (SMs, shared memory) and the backend's
-//! [`SkinnyRule`] (so the same shape at the same alignment on the same device under the same
-//! rule always takes the same one, with the same bits): the skinny kernel of
-//! `kernels/gemm.cu` for at most 32 rows (k a multiple of 32, A and W rows 16-byte aligned;
-//! the default rule takes every weight): a block per 16 weight rows, its warps splitting the
-//! reduction in interleaved 32-element chunks through per-warp cp.async rings, mma.sync with
-//! FP32 accumulation, the warps' partial sums added in warp order (deterministic), one
-//! rounding at the store; launched (compute capability 9.0 and later) as a programmatic
-//! dependent of the kernel ahead, its blocks prefetch the head of their weight rows into the
-//! L2 before they wait for it (a prefetch returns nothing, so nothing is read early); and
-//! cuBLAS (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`) for every other product, or every product
-//! under `CudaOptions { gemm: GemmKernels::Cublas }`. Both keep the comparison above (FP32
-//! accumulation of BF16 products). [`run_swiglu`] takes the skinny kernel's SwiGLU epilogue
-//! wherever the plan takes its product (a block per 8 output features holds their gate and
-//! up rows), else cuBLAS into the scratch and the `swiglu` kernel.
+//! CUDA. Three implementations, chosen per product by `gemm::plan` (`skinny_plan`, then
+//! `wide_plan`) from its shape, the alignment of its operands, the device (SMs, shared memory,
+//! whether it runs the sm_90a variants) and the backend's [`SkinnyRule`] (so the same shape at
+//! the same alignment on the same device under the same rule always takes the same one, with
+//! the same bits):
+//! - the skinny kernel of `kernels/gemm.cu` for at most 32 rows (k a multiple of 32, A and W
+//!   rows 16-byte aligned; the default rule: at most 16 rows on weights of at most 2048 rows):
+//!   a block per 16 weight rows, its warps splitting the reduction in interleaved 32-element
+//!   chunks through per-warp cp.async rings, mma.sync with FP32 accumulation, the warps'
+//!   partial sums added in warp order (deterministic), one rounding at the store;
+//! - on sm_90a devices (compute capability 9.0, the sm_90a variants on), where the rule's
+//!   `wide` is on, the wide kernel for the other products of at most 128 rows (A and W rows
+//!   16-byte aligned, any k): a block per 64 weight rows and one of S ranges of the reduction
+//!   (S <= 8 blocks a cluster, `plan::wide_splits`), TMA streaming the weight and A tiles
+//!   through an mbarrier pipeline into wgmma (BF16, FP32 accumulation), the S partial tiles
+//!   added in cluster-rank order through distributed shared memory (deterministic), one
+//!   rounding at the store;
+//! - cuBLAS (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`) for every other product, or every product
+//!   under `CudaOptions { gemm: GemmKernels::Cublas }`.
+//!
+//! Both kernels are launched (compute capability 9.0 and later) as programmatic dependents of
+//! the kernel ahead: before they wait for it they prefetch the head of their weight stream
+//! into the L2 (a prefetch returns nothing, so nothing is read early). All three keep the
+//! comparison above (FP32 accumulation of BF16 products). [`run_swiglu`] takes a kernel's
+//! SwiGLU form wherever that kernel takes the product (a skinny block holds 8 features' gate
+//! and up rows, a wide tile 32 features'), else cuBLAS into the scratch and the `swiglu`
+//! kernel.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -162,8 +173,8 @@ pub fn run_bf16(
 /// followed by `swiglu::run_fused` wherever both run the same product the same way.
 ///
 /// `scratch` (`[m, 2 I]`) holds that intermediate product where the backend forms it: the
-/// CPU always, CUDA when the skinny kernel does not take the product (cuBLAS, then the
-/// `swiglu` kernel); where the skinny kernel takes it (`gemm::plan`), its SwiGLU epilogue
+/// CPU always, CUDA when neither own kernel takes the product (cuBLAS, then the `swiglu`
+/// kernel); where the skinny or the wide kernel takes it (`gemm::plan`), its SwiGLU form
 /// writes `out` directly and `scratch` is not touched. Its contents after the call are
 /// unspecified. Refused (nothing written): an odd `p.n`, or any operand of the wrong length.
 pub fn run_swiglu(
@@ -409,7 +420,7 @@ pub(crate) fn conformance_rule() -> SkinnyRule {
     SkinnyRule {
         max_m: plan::SKINNY_MAX_M,
         max_n: usize::MAX,
-        wide: true,
+        wide_max_m: plan::WIDE_MAX_M,
         ..SkinnyRule::default()
     }
 }
@@ -420,7 +431,7 @@ pub(crate) fn conformance_rule() -> SkinnyRule {
 pub(crate) fn wide_conformance_rule() -> SkinnyRule {
     SkinnyRule {
         max_m: 0,
-        wide: true,
+        wide_max_m: plan::WIDE_MAX_M,
         ..SkinnyRule::default()
     }
 }

@@ -1,5 +1,6 @@
-//! When the `gemm` op's own skinny kernel (`kernels/gemm.cu`) takes a product, and how it
-//! runs it (pure arithmetic on shapes and addresses; the CUDA launcher in `cuda.rs` asks).
+//! When the `gemm` op's own kernels (`kernels/gemm.cu`: the skinny one, and on sm_90a the
+//! wide one) take a product, and how they run it (pure arithmetic on shapes, addresses and
+//! device limits; the CUDA launcher in `cuda.rs` asks).
 //!
 //! The rule is measured, not guessed (`dflash-bench --only gemm [--gemm-rule ...]` on the
 //! H200, `docs/performance-gemm.md`): at 8 and 16 rows the skinny kernel beats or ties cuBLAS
@@ -30,10 +31,11 @@ pub struct SkinnyRule {
     /// later, where the backend launches dependents at all), so that its weight prefetch
     /// overlaps that kernel's end (the wide kernel's launch too).
     pub dependent: bool,
-    /// Give the products the skinny kernel does not take, up to 128 rows, to the wide kernel
-    /// (wgmma + TMA with the reduction split over a cluster; sm_90a devices only, where the
-    /// backend uses the sm_90a variants) instead of cuBLAS.
-    pub wide: bool,
+    /// The most rows of A (clamped to 128; 0: none) for which the products the skinny kernel
+    /// does not take go to the wide kernel (wgmma + TMA with the reduction split over a
+    /// cluster; sm_90a devices only, where the backend uses the sm_90a variants) instead of
+    /// cuBLAS.
+    pub wide_max_m: usize,
 }
 
 impl Default for SkinnyRule {
@@ -51,7 +53,7 @@ impl Default for SkinnyRule {
             warps: 16,
             warps_many: 8,
             dependent: true,
-            wide: true,
+            wide_max_m: WIDE_MAX_M,
         }
     }
 }
@@ -183,7 +185,7 @@ pub(crate) fn wide_stage_bytes(nt: usize) -> usize {
 
 /// The wide kernel's plan for `C[m, n] (+)= A[m, k] W[n, k]^T` under `rule`, with blocks of
 /// at most `smem_optin` bytes of shared memory, or `None` where it does not take the
-/// product: the rule's `wide` off, no row or more than 128 rows, A or W not 16-byte aligned
+/// product: no row, more rows than the rule's `wide_max_m` (or 128), A or W not 16-byte aligned
 /// at every row (address and stride: what TMA needs), or not even two stages fitting. It
 /// takes any `n >= 1` and `k >= 1` (rows and the reduction's tail past the tensors read as
 /// zero). Whether the device may run it at all (sm_90a) is the launcher's to ask.
@@ -195,9 +197,8 @@ pub(crate) fn wide_plan(
     rule: &SkinnyRule,
 ) -> Option<WidePlan> {
     let aligned = |addr: u64, ld: usize| addr.is_multiple_of(16) && ld.is_multiple_of(8);
-    if !rule.wide
-        || m == 0
-        || m > WIDE_MAX_M
+    if m == 0
+        || m > rule.wide_max_m.min(WIDE_MAX_M)
         || n == 0
         || k == 0
         || !aligned(a, lda)

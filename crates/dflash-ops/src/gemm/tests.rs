@@ -347,7 +347,7 @@ fn skinny_plan_takes_aligned_products_of_few_rows() {
         warps: 40,
         warps_many: 0,
         dependent: true,
-        wide: true,
+        wide_max_m: 128,
     };
     let with = |m, n, r: &SkinnyRule| skinny_plan((m, n, 2048), (0, 2048), (0, 2048), dev, r);
     assert_eq!(with(17, 64, &narrow), None);
@@ -412,12 +412,37 @@ fn wide_plan_takes_aligned_products_of_up_to_128_rows() {
     assert_eq!(plan(16, 64, 60, 0, 60, 0, 64), None);
     assert_eq!(plan(16, 64, 64, 0, 64, 0, 68), None);
     let off = SkinnyRule {
-        wide: false,
+        wide_max_m: 0,
         ..rule
     };
     assert_eq!(wide_plan((16, 64, 64), (0, 64), (0, 64), optin, &off), None);
+    let few = SkinnyRule {
+        wide_max_m: 16,
+        ..rule
+    };
+    assert!(wide_plan((16, 64, 64), (0, 64), (0, 64), optin, &few).is_some());
+    assert_eq!(wide_plan((17, 64, 64), (0, 64), (0, 64), optin, &few), None);
+    let over = SkinnyRule {
+        wide_max_m: 1000,
+        ..rule
+    };
+    assert_eq!(
+        wide_plan((129, 64, 64), (0, 64), (0, 64), optin, &over),
+        None
+    );
     // Any k (the tail past it reads as zero), any n; n8 tiles 1, 2, 4, 8, 16 (never 3).
-    for (m, log2) in [(1, 0), (8, 0), (9, 1), (16, 1), (17, 2), (32, 2), (33, 3), (64, 3), (65, 4), (128, 4)] {
+    for (m, log2) in [
+        (1, 0),
+        (8, 0),
+        (9, 1),
+        (16, 1),
+        (17, 2),
+        (32, 2),
+        (33, 3),
+        (64, 3),
+        (65, 4),
+        (128, 4),
+    ] {
         let p = plan(m, 100, 200, 256, 200, 4096, 200).expect("aligned, m <= 128");
         assert_eq!(p.tiles_log2, log2, "m = {m}");
     }
@@ -435,19 +460,28 @@ fn wide_plan_takes_aligned_products_of_up_to_128_rows() {
             dependent: true,
         }
     );
-    assert_eq!(plan(16, 4097, 2048, 0, 2048, 0, 2048).map(|p| p.tiles), Some(65));
+    assert_eq!(
+        plan(16, 4097, 2048, 0, 2048, 0, 2048).map(|p| p.tiles),
+        Some(65)
+    );
     assert_eq!(plan(1, 64, 64, 0, 64, 0, 64).map(|p| p.stages), Some(8));
     assert_eq!(plan(128, 64, 64, 0, 64, 0, 64).map(|p| p.stages), Some(3));
     // The reduction's partial tile (8 nt columns of 68 floats) always fits the stages.
     for m in [1, 16, 32, 64, 128] {
         let p = plan(m, 64, 64, 0, 64, 0, 64).expect("taken");
         let nc = 8 << p.tiles_log2;
-        assert!(nc * 68 * 4 <= p.stages * wide_stage_bytes(1 << p.tiles_log2), "m = {m}");
+        assert!(
+            nc * 68 * 4 <= p.stages * wide_stage_bytes(1 << p.tiles_log2),
+            "m = {m}"
+        );
     }
     // Fewer stages where the device allows less shared memory; none below two.
     let small = wide_plan((128, 64, 64), (0, 64), (0, 64), 60 * 1024, &rule).expect("two fit");
     assert_eq!(small.stages, 2);
-    assert_eq!(wide_plan((128, 64, 64), (0, 64), (0, 64), 40 * 1024, &rule), None);
+    assert_eq!(
+        wide_plan((128, 64, 64), (0, 64), (0, 64), 40 * 1024, &rule),
+        None
+    );
     // The launch follows the rule.
     let ordinary = SkinnyRule {
         dependent: false,
@@ -464,7 +498,11 @@ fn wide_splits_fill_the_device_without_more_waves() {
     use super::plan::wide_splits;
     // H200, three blocks an SM: 396 slots. The 35B-A3B's weights at 2048 or more elements.
     let slots = 3 * 132;
-    assert_eq!(wide_splits(192, 2048, slots), 2, "gate/up fused: 384 blocks in one wave");
+    assert_eq!(
+        wide_splits(192, 2048, slots),
+        2,
+        "gate/up fused: 384 blocks in one wave"
+    );
     assert_eq!(wide_splits(64, 2048, slots), 6, "q: 384 blocks");
     assert_eq!(wide_splits(32, 4096, slots), 8, "o: at most 8 a cluster");
     assert_eq!(wide_splits(8, 2048, slots), 8, "k / v");

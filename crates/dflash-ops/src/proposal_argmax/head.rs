@@ -395,7 +395,13 @@ pub(crate) mod cuda {
                 let (hp, _hg) = hidden_d.device_ptr(c.stream());
                 let (wp, _wg) = head_d.device_ptr(c.stream());
                 Some((
-                    tensor_map(op, "hidden", hp, (p.hidden, p.n, p.hidden), (64, 8 * nt as u32))?,
+                    tensor_map(
+                        op,
+                        "hidden",
+                        hp,
+                        (p.hidden, p.n, p.hidden),
+                        (64, 8 * nt as u32),
+                    )?,
                     tensor_map(op, "head", wp, (p.hidden, p.rows, p.hidden), (64, 128))?,
                 ))
             }
