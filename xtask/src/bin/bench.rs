@@ -1140,7 +1140,9 @@ fn main() -> Result<()> {
              - commit: {commit}\n- command: `{}`\n- time: CUDA events around CUDA-graph replays \
              (each graph rotates over copies of the weight larger than the L2 cache), median of 7\n\
              - `gemm`: the backend's choice (the skinny kernel of kernels/gemm.cu where \
-             gemm::plan takes the product under the backend's rule, {rule:?}; cuBLAS elsewhere); \
+             gemm::plan takes the product under the backend's rule, {rule:?}, then on sm_90a its \
+             wide kernel up to the rule's wide_max_m rows (sm_90a variants: {}); cuBLAS \
+             elsewhere); \
              `cublas_gemm`: cuBLAS alone; TB/s: weight + A + C bytes / time; \
              floor: those bytes / 4.1 TB/s\n",
             utc_now(),
@@ -1148,6 +1150,7 @@ fn main() -> Result<()> {
             info.arch,
             driver_version(),
             args.join(" "),
+            cuda.uses_sm90a(),
             rule = cuda.gemm_rule(),
         );
         let (md, json) = gemm_report(&grows, &head);
