@@ -45,7 +45,10 @@ impl Default for SkinnyRule {
     /// (H100, 1e0e7a6, `docs/performance-gemm-rules-h100.md`) the skinny kernel took
     /// 1.1-1.5x cuBLAS's time there (27B gate/up at 16 rows: 147.0 against 130.5 us; the
     /// 35B-A3B's: 26.2 against 21.6), so its SwiGLU epilogue is left to rules that give it
-    /// those weights.
+    /// those weights. The wide kernel is off (`wide_max_m` 0): in its first measurement (H100,
+    /// 7fff05c, `docs/performance-gemm-wide-h100.md`) it took 1.2-1.7x cuBLAS's time on the
+    /// 35B-A3B's weights and tied it only on the 27B's largest (gate/up fused 131.1 against
+    /// 131.9 us, down 67.2 against 69.0 at 16 rows), and the rounds were no faster.
     fn default() -> Self {
         SkinnyRule {
             max_m: 16,
@@ -53,7 +56,7 @@ impl Default for SkinnyRule {
             warps: 16,
             warps_many: 8,
             dependent: true,
-            wide_max_m: WIDE_MAX_M,
+            wide_max_m: 0,
         }
     }
 }

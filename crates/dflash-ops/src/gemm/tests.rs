@@ -400,7 +400,15 @@ fn the_plans_mirror_the_kernel_constants() {
 fn wide_plan_takes_aligned_products_of_up_to_128_rows() {
     use super::plan::{WIDE_MAX_M, WidePlan, wide_plan, wide_stage_bytes};
     let optin = 232_448; // H200: shared memory a block may use
-    let rule = SkinnyRule::default();
+    // The default rule leaves the wide kernel off; a rule that gives it every row count.
+    assert_eq!(
+        wide_plan((16, 64, 64), (0, 64), (0, 64), optin, &SkinnyRule::default()),
+        None
+    );
+    let rule = SkinnyRule {
+        wide_max_m: WIDE_MAX_M,
+        ..SkinnyRule::default()
+    };
     let plan = |m, n, k, a, lda, w, ldw| wide_plan((m, n, k), (a, lda), (w, ldw), optin, &rule);
     // Refused: no rows, too many rows, no weight rows, misaligned address or stride, the
     // rule's `wide` off.
