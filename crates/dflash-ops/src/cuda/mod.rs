@@ -126,6 +126,9 @@ struct Inner {
     limits: DeviceLimits,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     kernels: Mutex<KernelCache>,
+    /// [`CudaBackend::max_active_clusters`] per (function name, dynamic shared memory,
+    /// threads, cluster size).
+    clusters_cache: Mutex<HashMap<(&'static str, usize, u32, u32), usize>>,
     blas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
     staging: Mutex<Staging>,
     readback: Mutex<Readback>,
@@ -672,6 +675,7 @@ impl CudaBackend {
                 limits,
                 modules: Mutex::new(HashMap::new()),
                 kernels: Mutex::new(HashMap::new()),
+                clusters_cache: Mutex::new(HashMap::new()),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging::default()),
                 readback: Mutex::new(Readback::default()),
@@ -989,6 +993,71 @@ impl CudaBackend {
     /// later, [`KernelVariants::Auto`]); otherwise each of their work items is one block.
     pub fn uses_clusters(&self) -> bool {
         self.inner.clusters
+    }
+
+    /// How many clusters of `cluster` blocks of `kernel` (entry `name`, blocks of `threads`
+    /// threads and `dyn_smem` bytes of dynamic shared memory, as it was prepared) can be
+    /// resident on the device at once (`cuOccupancyMaxActiveClusters`; cached): fewer than
+    /// `blocks_per_sm * SMs / cluster` where a cluster's blocks must share a GPC. A cluster of
+    /// one is `blocks_per_sm * SMs`.
+    pub(crate) fn max_active_clusters(
+        &self,
+        kernel: &Kernel,
+        name: &'static str,
+        (threads, dyn_smem): (u32, usize),
+        cluster: u32,
+    ) -> Result<usize> {
+        if cluster <= 1 {
+            return Ok(kernel.blocks_per_sm * self.inner.limits.sm_count);
+        }
+        let key = (name, dyn_smem, threads, cluster);
+        let lock = || {
+            self.inner
+                .clusters_cache
+                .lock()
+                .map_err(|_| OpsError::Cuda {
+                    context: "the cluster occupancy cache".into(),
+                    message: "lock poisoned".into(),
+                })
+        };
+        if let Some(&n) = lock()?.get(&key) {
+            return Ok(n);
+        }
+        use cudarc::driver::sys;
+        let mut attr = [sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                    x: cluster,
+                    y: 1,
+                    z: 1,
+                },
+            },
+        }];
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: cluster,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: u32::try_from(dyn_smem).unwrap_or(u32::MAX),
+            hStream: self.inner.stream.cu_stream(),
+            attrs: attr.as_mut_ptr(),
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: `cfg` and its one attribute outlive the call, which only reads them and
+        // writes `n`; the function is a live function of this context.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, kernel.func.cu_function(), &cfg) }
+            .result()
+            .map_err(cuda_err(format!(
+                "occupancy of {name} in clusters of {cluster}"
+            )))?;
+        let n = usize::try_from(n).unwrap_or(0);
+        lock()?.insert(key, n);
+        Ok(n)
     }
 
     /// Launch `func` on the stream (`cfg`: grid, block, dynamic shared memory) through

@@ -365,8 +365,8 @@ fn own_wide_plan(
 /// Queue wide entry `name` for a product [`gemm_bf16_device`] checked (or `run_swiglu`'s,
 /// `swiglu`: the SwiGLU form, C `[m, n / 2]` at stride `g.ldc`), at device addresses
 /// `(a, w, c)`: a block per (64-row weight tile, split), the splits of a tile in one cluster
-/// ([`wide_splits`] for the blocks that fit the device; one where the backend launches no
-/// clusters).
+/// ([`wide_splits`] for the clusters of each size the device holds at once; one where the
+/// backend launches no clusters).
 fn launch_wide(
     c: &CudaBackend,
     name: &'static str,
@@ -392,9 +392,14 @@ fn launch_wide(
         .map_err(crate::cuda::cuda_err(format!(
             "preferring shared memory for {name}"
         )))?;
-    let slots = kernel.blocks_per_sm * c.limits().sm_count;
     let splits = if c.uses_clusters() {
-        wide_splits(plan.tiles, g.k, slots)
+        // Resident clusters of each size (cached by the backend); a failed query counts as
+        // none, so that split is never chosen over one that can be placed.
+        let clusters = |s: usize| {
+            c.max_active_clusters(&kernel, name, (WIDE_THREADS, plan.smem), s as u32)
+                .unwrap_or(0)
+        };
+        wide_splits(plan.tiles, g.k, clusters)
     } else {
         1
     };

@@ -409,7 +409,13 @@ fn wide_plan_takes_aligned_products_of_up_to_128_rows() {
     let optin = 232_448; // H200: shared memory a block may use
     // The default rule leaves the wide kernel off; a rule that gives it every row count.
     assert_eq!(
-        wide_plan((16, 64, 64), (0, 64), (0, 64), optin, &SkinnyRule::default()),
+        wide_plan(
+            (16, 64, 64),
+            (0, 64),
+            (0, 64),
+            optin,
+            &SkinnyRule::default()
+        ),
         None
     );
     let rule = SkinnyRule {
@@ -511,28 +517,39 @@ fn wide_plan_takes_aligned_products_of_up_to_128_rows() {
 #[test]
 fn wide_splits_fill_the_device_without_more_waves() {
     use super::plan::wide_splits;
-    // H200, three blocks an SM: 396 slots. The 35B-A3B's weights at 2048 or more elements.
-    let slots = 3 * 132;
+    // Three blocks an SM on 132 SMs, every cluster placeable: 396 / s clusters of s.
+    let blocks = |s: usize| 396 / s;
     assert_eq!(
-        wide_splits(192, 2048, slots),
+        wide_splits(192, 2048, blocks),
         2,
         "gate/up fused: 384 blocks in one wave"
     );
-    assert_eq!(wide_splits(64, 2048, slots), 6, "q: 384 blocks");
-    assert_eq!(wide_splits(32, 4096, slots), 8, "o: at most 8 a cluster");
-    assert_eq!(wide_splits(8, 2048, slots), 8, "k / v");
+    assert_eq!(wide_splits(64, 2048, blocks), 6, "q: 384 blocks");
+    assert_eq!(wide_splits(32, 4096, blocks), 8, "o: at most 8 a cluster");
+    assert_eq!(wide_splits(8, 2048, blocks), 8, "k / v");
     // Never more splits than 64-element chunks; one for a single chunk or a full device.
-    assert_eq!(wide_splits(1, 64, slots), 1);
-    assert_eq!(wide_splits(1, 200, slots), 4);
-    assert_eq!(wide_splits(1, 65, slots), 2);
-    assert_eq!(wide_splits(396, 2048, slots), 1);
+    assert_eq!(wide_splits(1, 64, blocks), 1);
+    assert_eq!(wide_splits(1, 200, blocks), 4);
+    assert_eq!(wide_splits(1, 65, blocks), 2);
+    assert_eq!(wide_splits(396, 2048, blocks), 1);
     // More tiles than slots: the split that wastes the least of the last wave.
-    assert_eq!(wide_splits(544, 5120, slots), 2, "27B gate/up fused");
+    assert_eq!(wide_splits(544, 5120, blocks), 2, "27B gate/up fused");
+    // The H100's cluster placement: 62 clusters of 6, not 66; q's 64 tiles then take 5
+    // splits (one wave of 64 clusters of 5), not 6 (two waves).
+    let placed = |s: usize| match s {
+        6 => 62,
+        _ => 396 / s,
+    };
+    assert_eq!(wide_splits(64, 2048, placed), 5);
+    // A size that cannot be placed at all (a failed query counts as none) is never chosen
+    // over one that can.
+    let none_of_8 = |s: usize| if s == 8 { 0 } else { 396 / s };
+    assert_eq!(wide_splits(8, 2048, none_of_8), 7);
     // Degenerate inputs stay in range.
-    assert_eq!(wide_splits(0, 0, 0), 1);
+    assert_eq!(wide_splits(0, 0, |_| 0), 1);
     for tiles in [1, 7, 100, 1000] {
         for k in [1, 64, 1000, 17408] {
-            let s = wide_splits(tiles, k, slots);
+            let s = wide_splits(tiles, k, blocks);
             assert!((1..=8).contains(&s) && s <= k.div_ceil(64), "{tiles} {k}");
         }
     }
