@@ -126,9 +126,7 @@ struct Inner {
     limits: DeviceLimits,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     kernels: Mutex<KernelCache>,
-    /// [`CudaBackend::max_active_clusters`] per (function name, dynamic shared memory,
-    /// threads, cluster size).
-    clusters_cache: Mutex<HashMap<(&'static str, usize, u32, u32), usize>>,
+    clusters_cache: Mutex<ClusterCache>,
     blas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
     staging: Mutex<Staging>,
     readback: Mutex<Readback>,
@@ -261,6 +259,10 @@ pub(crate) fn slice_address<T>(d: &cudarc::driver::CudaSlice<T>) -> u64 {
     use cudarc::driver::DevicePtr;
     d.device_ptr(d.stream()).0
 }
+
+/// [`CudaBackend::max_active_clusters`] per (function handle, dynamic shared memory, threads,
+/// cluster size).
+type ClusterCache = HashMap<(usize, usize, u32, u32), usize>;
 
 /// Prepared kernels by (module, function, dynamic shared memory bytes).
 type KernelCache = HashMap<(&'static str, &'static str, usize), Kernel>;
@@ -1010,7 +1012,7 @@ impl CudaBackend {
         if cluster <= 1 {
             return Ok(kernel.blocks_per_sm * self.inner.limits.sm_count);
         }
-        let key = (name, dyn_smem, threads, cluster);
+        let key = (kernel.func.cu_function() as usize, dyn_smem, threads, cluster);
         let lock = || {
             self.inner
                 .clusters_cache
