@@ -260,6 +260,22 @@ pub(crate) fn slice_address<T>(d: &cudarc::driver::CudaSlice<T>) -> u64 {
     d.device_ptr(d.stream()).0
 }
 
+/// The launch attribute of clusters of `cluster` consecutive blocks along x.
+fn cluster_attribute(cluster: u32) -> cudarc::driver::sys::CUlaunchAttribute {
+    use cudarc::driver::sys;
+    sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                x: cluster,
+                y: 1,
+                z: 1,
+            },
+        },
+    }
+}
+
 /// [`CudaBackend::max_active_clusters`] per (function handle, dynamic shared memory, threads,
 /// cluster size).
 type ClusterCache = HashMap<(usize, usize, u32, u32), usize>;
@@ -1012,7 +1028,12 @@ impl CudaBackend {
         if cluster <= 1 {
             return Ok(kernel.blocks_per_sm * self.inner.limits.sm_count);
         }
-        let key = (kernel.func.cu_function() as usize, dyn_smem, threads, cluster);
+        let key = (
+            kernel.func.cu_function() as usize,
+            dyn_smem,
+            threads,
+            cluster,
+        );
         let lock = || {
             self.inner
                 .clusters_cache
@@ -1026,17 +1047,7 @@ impl CudaBackend {
             return Ok(n);
         }
         use cudarc::driver::sys;
-        let mut attr = [sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                    x: cluster,
-                    y: 1,
-                    z: 1,
-                },
-            },
-        }];
+        let mut attr = [cluster_attribute(cluster)];
         let cfg = sys::CUlaunchConfig {
             gridDimX: cluster,
             gridDimY: 1,
@@ -1120,17 +1131,7 @@ impl CudaBackend {
                     ),
                 });
             }
-            attrs.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue {
-                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                        x: cluster,
-                        y: 1,
-                        z: 1,
-                    },
-                },
-            });
+            attrs.push(cluster_attribute(cluster));
         }
         let launch = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
