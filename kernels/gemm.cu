@@ -195,7 +195,8 @@ GEMM_ENTRY(gemm_skinny_swiglu_nt4, 4, __nv_bfloat16, true)
 #ifdef GEMM_WGMMA
 // ---- The wide kernel (sm_90a; this file compiled with GEMM_WGMMA): wgmma + TMA, split-K ----
 // For the products the skinny kernel does not take, up to 128 rows of A (`gemm::plan::
-// wide_plan`): any k that is a multiple of 8, A and W rows 16-byte aligned.
+// wide_plan`): any k, A and W rows 16-byte aligned (addresses, and row strides that are
+// multiples of 8 elements).
 //
 // Work split. Block (t, r) owns weight rows 64t .. 64t + 63 (one m64 wgmma tile, the weight
 // on the M side and A's rows on the N side: NC = 8 * NT columns, NT = 1 .. 16) and the r-th
@@ -304,9 +305,12 @@ __device__ __forceinline__ void gemm_wide(const DfTmap* tm_a, const DfTmap* tm_w
         }
     }
     df_pdl_launch_dependents();
-    // Every stage was consumed (each full barrier waited for), so the pipeline's memory is free.
+    // Every stage was consumed (each full barrier waited for) and, once all four consumer
+    // warps have passed their last wgmma wait (named barrier 1, the warpgroup only), no
+    // wgmma reads the pipeline's memory any more: it is free for the partial tile.
     float* red = reinterpret_cast<float*>(base);  // [NC][GW_RED_LD]: column = row of A
     if (warp < 4) {
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
         const int lane = tid & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
         for (int j = 0; j < NT; ++j)
@@ -344,6 +348,7 @@ __device__ __forceinline__ void gemm_wide(const DfTmap* tm_a, const DfTmap* tm_w
             gemm_store_out(out, v);
         }
     }
+    __syncwarp();  // the loop's trip counts differ by thread: reconverge for the aligned barrier
     df_cluster_sync();
 }
 

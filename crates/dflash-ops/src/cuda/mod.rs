@@ -1017,7 +1017,8 @@ impl CudaBackend {
     /// threads and `dyn_smem` bytes of dynamic shared memory, as it was prepared) can be
     /// resident on the device at once (`cuOccupancyMaxActiveClusters`; cached): fewer than
     /// `blocks_per_sm * SMs / cluster` where a cluster's blocks must share a GPC. A cluster of
-    /// one is `blocks_per_sm * SMs`.
+    /// one: resident blocks per SM (the occupancy query) times SMs. Both read the function's
+    /// attributes as they are at the first query (set them before).
     pub(crate) fn max_active_clusters(
         &self,
         kernel: &Kernel,
@@ -1025,9 +1026,6 @@ impl CudaBackend {
         (threads, dyn_smem): (u32, usize),
         cluster: u32,
     ) -> Result<usize> {
-        if cluster <= 1 {
-            return Ok(kernel.blocks_per_sm * self.inner.limits.sm_count);
-        }
         let key = (
             kernel.func.cu_function() as usize,
             dyn_smem,
@@ -1046,6 +1044,15 @@ impl CudaBackend {
         if let Some(&n) = lock()?.get(&key) {
             return Ok(n);
         }
+        if cluster <= 1 {
+            let blocks = kernel
+                .func
+                .occupancy_max_active_blocks_per_multiprocessor(threads, dyn_smem, None)
+                .map_err(cuda_err(format!("occupancy of {name}")))?;
+            let n = blocks as usize * self.inner.limits.sm_count;
+            lock()?.insert(key, n);
+            return Ok(n);
+        }
         use cudarc::driver::sys;
         let mut attr = [cluster_attribute(cluster)];
         let cfg = sys::CUlaunchConfig {
@@ -1056,7 +1063,8 @@ impl CudaBackend {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: u32::try_from(dyn_smem).unwrap_or(u32::MAX),
-            hStream: self.inner.stream.cu_stream(),
+            // No stream: the query must not depend on whether the backend's is capturing.
+            hStream: std::ptr::null_mut(),
             attrs: attr.as_mut_ptr(),
             numAttrs: 1,
         };

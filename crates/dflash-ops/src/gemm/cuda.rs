@@ -8,11 +8,13 @@ use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, RawArg, SM90A, tensor_map};
+use crate::cuda::{CudaBackend, Kernel, RawArg, SM90A, cuda_err, tensor_map};
 use crate::{Buffer, Element, OpsError, Result};
 
 use super::OP;
-use super::plan::{SkinnyPlan, SkinnyRule, WidePlan, skinny_plan, wide_plan, wide_splits};
+use super::plan::{
+    SkinnyPlan, SkinnyRule, WIDE_KC, WIDE_MAX_SPLITS, WidePlan, skinny_plan, wide_plan, wide_splits,
+};
 
 pub(crate) const SOURCE: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -375,31 +377,47 @@ fn launch_wide(
     plan: &WidePlan,
     swiglu: bool,
 ) -> Result<()> {
-    let kernel = c.kernel_for(
-        SM90A_MODULE,
-        Some(SM90A),
-        sm90a_source(),
-        name,
-        WIDE_THREADS,
-        plan.smem,
-    )?;
-    // As much of the SM's L1 / shared memory as shared memory: the plan counts on several
-    // blocks an SM (a hint the driver keeps unless the kernel cannot run with it).
-    use cudarc::driver::sys::CUfunction_attribute_enum as F;
-    kernel
-        .func
-        .set_attribute(F::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-        .map_err(crate::cuda::cuda_err(format!(
-            "preferring shared memory for {name}"
-        )))?;
+    // Each entry prepared at the plan's shared memory, preferring as much of the SM's L1 /
+    // shared memory as shared memory: the split counts on several blocks an SM (a hint the
+    // driver keeps unless the kernel cannot run with it).
+    let prepare = |entry: &'static str| -> Result<Kernel> {
+        let k = c.kernel_for(
+            SM90A_MODULE,
+            Some(SM90A),
+            sm90a_source(),
+            entry,
+            WIDE_THREADS,
+            plan.smem,
+        )?;
+        use cudarc::driver::sys::CUfunction_attribute_enum as F;
+        k.func
+            .set_attribute(F::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+            .map_err(cuda_err(format!("preferring shared memory for {entry}")))?;
+        Ok(k)
+    };
+    let kernel = prepare(name)?;
     let splits = if c.uses_clusters() {
-        // Resident clusters of each size (cached by the backend); a failed query counts as
-        // none, so that split is never chosen over one that can be placed.
-        let clusters = |s: usize| {
-            c.max_active_clusters(&kernel, name, (WIDE_THREADS, plan.smem), s as u32)
-                .unwrap_or(0)
+        // Resident clusters of each size (cached by the backend), of one entry for every form
+        // of this tile count (the plain BF16 one): the split, hence the rounding, depends only
+        // on the shape, the plan and the device, so the SwiGLU form's sums are the plain
+        // product's bit for bit. A failed query fails the launch (no silent other split).
+        let canonical = <bf16 as GemmOutElem>::WIDE[plan.tiles_log2];
+        let occupancy = if canonical == name {
+            kernel.clone()
+        } else {
+            prepare(canonical)?
         };
-        wide_splits(plan.tiles, g.k, clusters)
+        let sizes = WIDE_MAX_SPLITS.min(g.k.div_ceil(WIDE_KC).max(1));
+        let mut placed = [0usize; WIDE_MAX_SPLITS];
+        for (s, p) in placed.iter_mut().enumerate().take(sizes) {
+            *p = c.max_active_clusters(
+                &occupancy,
+                canonical,
+                (WIDE_THREADS, plan.smem),
+                s as u32 + 1,
+            )?;
+        }
+        wide_splits(plan.tiles, g.k, |s| placed[s - 1])
     } else {
         1
     };

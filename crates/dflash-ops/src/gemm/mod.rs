@@ -38,7 +38,7 @@
 //!   chunks through per-warp cp.async rings, mma.sync with FP32 accumulation, the warps'
 //!   partial sums added in warp order (deterministic), one rounding at the store;
 //! - on sm_90a devices (compute capability 9.0, the sm_90a variants on), where the rule's
-//!   `wide` is on, the wide kernel for the other products of at most 128 rows (A and W rows
+//!   `wide_max_m` gives it the product, the wide kernel for the other products of at most 128 rows (A and W rows
 //!   16-byte aligned, any k): a block per 64 weight rows and one of S ranges of the reduction
 //!   (S <= 8 blocks a cluster, `plan::wide_splits`), TMA streaming the weight and A tiles
 //!   through an mbarrier pipeline into wgmma (BF16, FP32 accumulation), the S partial tiles

@@ -227,15 +227,23 @@ pub(crate) fn wide_plan(
 /// over `k` elements on a device where `clusters(s)` clusters of `s` wide blocks can be
 /// resident at once: the split that minimizes waves x (chunks a block + [`WIDE_BLOCK_COST`]),
 /// waves being how many times the grid's `tiles` clusters fill the resident ones; the smaller
-/// split on a tie, and never more splits than 64-element chunks. (Counting resident clusters,
+/// split on a tie, never more splits than 64-element chunks, never a size of which no
+/// cluster can be placed (1 if none can). (Counting resident clusters,
 /// not blocks, matters: an H100 holds 3 wide blocks an SM, 396 in all, but only 62 clusters of
 /// 6 (372 blocks), so the 35B-A3B's q at 16 rows, 64 clusters of 6, took two waves:
 /// Nsight Compute, `docs/performance-gemm-wide-h100.md`.)
 pub(crate) fn wide_splits(tiles: usize, k: usize, clusters: impl Fn(usize) -> usize) -> usize {
     let chunks = k.div_ceil(WIDE_KC).max(1);
     (1..=WIDE_MAX_SPLITS.min(chunks))
-        .min_by_key(|&s| {
-            tiles.div_ceil(clusters(s).max(1)) * (chunks.div_ceil(s) + WIDE_BLOCK_COST)
+        .filter_map(|s| {
+            let placed = clusters(s);
+            (placed > 0).then(|| {
+                (
+                    s,
+                    tiles.div_ceil(placed) * (chunks.div_ceil(s) + WIDE_BLOCK_COST),
+                )
+            })
         })
-        .unwrap_or(1)
+        .min_by_key(|&(_, cost)| cost)
+        .map_or(1, |(s, _)| s)
 }

@@ -541,10 +541,13 @@ fn wide_splits_fill_the_device_without_more_waves() {
         _ => 396 / s,
     };
     assert_eq!(wide_splits(64, 2048, placed), 5);
-    // A size that cannot be placed at all (a failed query counts as none) is never chosen
-    // over one that can.
+    // A size of which no cluster can be placed is never chosen, even for a single tile
+    // (where it would otherwise win); none placeable at all: 1.
     let none_of_8 = |s: usize| if s == 8 { 0 } else { 396 / s };
     assert_eq!(wide_splits(8, 2048, none_of_8), 7);
+    assert_eq!(wide_splits(1, 2048, none_of_8), 7);
+    assert_eq!(wide_splits(1, 2048, blocks), 8);
+    assert_eq!(wide_splits(4, 2048, |_| 0), 1);
     // Degenerate inputs stay in range.
     assert_eq!(wide_splits(0, 0, |_| 0), 1);
     for tiles in [1, 7, 100, 1000] {
