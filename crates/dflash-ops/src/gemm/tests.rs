@@ -424,7 +424,7 @@ fn wide_plan_takes_aligned_products_of_up_to_128_rows() {
     };
     let plan = |m, n, k, a, lda, w, ldw| wide_plan((m, n, k), (a, lda), (w, ldw), optin, &rule);
     // Refused: no rows, too many rows, no weight rows, misaligned address or stride, the
-    // rule's `wide` off.
+    // rule's `wide_max_m` below the rows.
     assert_eq!(plan(0, 64, 64, 0, 64, 0, 64), None);
     assert_eq!(plan(WIDE_MAX_M + 1, 64, 64, 0, 64, 0, 64), None);
     assert_eq!(plan(16, 0, 64, 0, 64, 0, 64), None);
