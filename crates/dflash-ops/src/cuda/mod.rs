@@ -109,6 +109,11 @@ pub const DEPENDENT_LAUNCH_OPS: [&str; 3] = [
 /// [`KernelVariants::Portable`].
 pub const CLUSTER_OPS: [&str; 2] = [crate::target_distribution::OP, crate::gemm::OP];
 
+/// Modules whose kernels prefer as much of the SM's L1 / shared memory as shared memory
+/// (a carveout hint the driver keeps unless a kernel cannot run with it), set once when a
+/// kernel is prepared: `gemm`'s wide kernel, whose split counts on several blocks an SM.
+const PREFER_SHARED_MODULES: [&str; 1] = [crate::gemm::cuda::SM90A_MODULE];
+
 /// The architecture the `sm_90a` variants are compiled for.
 pub(crate) const SM90A: &str = "sm_90a";
 
@@ -913,6 +918,11 @@ impl CudaBackend {
         .map_err(cuda_err(format!(
             "raising the shared memory limit of {name}"
         )))?;
+        if PREFER_SHARED_MODULES.contains(&module) {
+            // Before the occupancy below, which reads it.
+            func.set_attribute(F::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                .map_err(cuda_err(format!("preferring shared memory for {name}")))?;
+        }
         let blocks = func
             .occupancy_max_active_blocks_per_multiprocessor(threads, dyn_smem, None)
             .map_err(cuda_err(format!("occupancy of {name}")))?;
@@ -1017,8 +1027,7 @@ impl CudaBackend {
     /// threads and `dyn_smem` bytes of dynamic shared memory, as it was prepared) can be
     /// resident on the device at once (`cuOccupancyMaxActiveClusters`; cached): fewer than
     /// `blocks_per_sm * SMs / cluster` where a cluster's blocks must share a GPC. A cluster of
-    /// one: resident blocks per SM (the occupancy query) times SMs. Both read the function's
-    /// attributes as they are at the first query (set them before).
+    /// one is `blocks_per_sm * SMs`.
     pub(crate) fn max_active_clusters(
         &self,
         kernel: &Kernel,
@@ -1026,6 +1035,9 @@ impl CudaBackend {
         (threads, dyn_smem): (u32, usize),
         cluster: u32,
     ) -> Result<usize> {
+        if cluster <= 1 {
+            return Ok(kernel.blocks_per_sm * self.inner.limits.sm_count);
+        }
         let key = (
             kernel.func.cu_function() as usize,
             dyn_smem,
@@ -1042,15 +1054,6 @@ impl CudaBackend {
                 })
         };
         if let Some(&n) = lock()?.get(&key) {
-            return Ok(n);
-        }
-        if cluster <= 1 {
-            let blocks = kernel
-                .func
-                .occupancy_max_active_blocks_per_multiprocessor(threads, dyn_smem, None)
-                .map_err(cuda_err(format!("occupancy of {name}")))?;
-            let n = blocks as usize * self.inner.limits.sm_count;
-            lock()?.insert(key, n);
             return Ok(n);
         }
         use cudarc::driver::sys;

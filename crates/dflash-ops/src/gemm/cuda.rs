@@ -8,12 +8,12 @@ use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, Kernel, RawArg, SM90A, cuda_err, tensor_map};
+use crate::cuda::{CudaBackend, Kernel, RawArg, SM90A, tensor_map};
 use crate::{Buffer, Element, OpsError, Result};
 
 use super::OP;
 use super::plan::{
-    SkinnyPlan, SkinnyRule, WIDE_KC, WIDE_MAX_SPLITS, WidePlan, skinny_plan, wide_plan, wide_splits,
+    SkinnyPlan, WIDE_KC, WIDE_MAX_SPLITS, WidePlan, skinny_plan, wide_plan, wide_splits,
 };
 
 pub(crate) const SOURCE: &str = include_str!(concat!(
@@ -217,22 +217,13 @@ where
     let (a_ptr, _ra) = a.device_ptr(stream);
     let (w_ptr, _rw) = w.device_ptr(stream);
     let (c_ptr, _rc) = out.device_ptr_mut(stream);
-    if c.uses_own_gemm() {
-        let rule = c.gemm_rule();
-        if let Some(plan) = skinny_plan(
-            (g.m, g.n, g.k),
-            (a_ptr, g.lda),
-            (w_ptr, g.ldw),
-            device_limits(c),
-            &rule,
-        ) {
-            return launch_skinny::<T>(c, (a_ptr, w_ptr, c_ptr), (m, n, k), g, &plan);
+    let ptrs = (a_ptr, w_ptr, c_ptr);
+    match own_plan(c, (g.m, g.n, g.k), (a_ptr, g.lda), (w_ptr, g.ldw)) {
+        Some(OwnPlan::Skinny(plan)) => return launch_skinny::<T>(c, ptrs, (m, n, k), g, &plan),
+        Some(OwnPlan::Wide(plan)) => {
+            return launch_wide(c, T::WIDE[plan.tiles_log2], ptrs, g, &plan, false);
         }
-        if let Some(plan) = own_wide_plan(c, (g.m, g.n, g.k), (a_ptr, g.lda), (w_ptr, g.ldw), &rule)
-        {
-            let name = T::WIDE[plan.tiles_log2];
-            return launch_wide(c, name, (a_ptr, w_ptr, c_ptr), g, &plan, false);
-        }
+        None => {}
     }
     let blas = c.blas()?;
     let alpha: f32 = 1.0;
@@ -350,18 +341,33 @@ const WIDE_SWIGLU: [&str; 5] = [
     "gemm_wide_swiglu_nt16",
 ];
 
-/// [`wide_plan`] on a backend that runs the sm_90a variants (none elsewhere).
-fn own_wide_plan(
+/// Which own kernel takes a product, and how.
+enum OwnPlan {
+    Skinny(SkinnyPlan),
+    Wide(WidePlan),
+}
+
+/// The one place that decides which own kernel takes a product (so a plain product and its
+/// SwiGLU form always choose alike): the skinny kernel where [`skinny_plan`] takes it, else
+/// on a backend that runs the sm_90a variants the wide kernel where [`wide_plan`] does, both
+/// under the backend's rule; `None` (cuBLAS) otherwise or when own GEMMs are off.
+fn own_plan(
     c: &CudaBackend,
     shape: (usize, usize, usize),
     a: (u64, usize),
     w: (u64, usize),
-    rule: &SkinnyRule,
-) -> Option<WidePlan> {
+) -> Option<OwnPlan> {
+    if !c.uses_own_gemm() {
+        return None;
+    }
+    let rule = c.gemm_rule();
+    if let Some(plan) = skinny_plan(shape, a, w, device_limits(c), &rule) {
+        return Some(OwnPlan::Skinny(plan));
+    }
     if !c.uses_sm90a() {
         return None;
     }
-    wide_plan(shape, a, w, c.limits().smem_per_block_optin, rule)
+    wide_plan(shape, a, w, c.limits().smem_per_block_optin, &rule).map(OwnPlan::Wide)
 }
 
 /// Queue wide entry `name` for a product [`gemm_bf16_device`] checked (or `run_swiglu`'s,
@@ -377,23 +383,17 @@ fn launch_wide(
     plan: &WidePlan,
     swiglu: bool,
 ) -> Result<()> {
-    // Each entry prepared at the plan's shared memory, preferring as much of the SM's L1 /
-    // shared memory as shared memory: the split counts on several blocks an SM (a hint the
-    // driver keeps unless the kernel cannot run with it).
+    // Each entry prepared at the plan's shared memory (the module's kernels prefer shared
+    // memory, `PREFER_SHARED_MODULES`: the split counts on several blocks an SM).
     let prepare = |entry: &'static str| -> Result<Kernel> {
-        let k = c.kernel_for(
+        c.kernel_for(
             SM90A_MODULE,
             Some(SM90A),
             sm90a_source(),
             entry,
             WIDE_THREADS,
             plan.smem,
-        )?;
-        use cudarc::driver::sys::CUfunction_attribute_enum as F;
-        k.func
-            .set_attribute(F::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-            .map_err(cuda_err(format!("preferring shared memory for {entry}")))?;
-        Ok(k)
+        )
     };
     let kernel = prepare(name)?;
     let splits = if c.uses_clusters() {
@@ -499,43 +499,30 @@ pub(super) fn run_swiglu(
     let (a_ptr, _ra) = a.device(OP, "a")?.device_ptr(stream);
     let (w_ptr, _rw) = w.device(OP, "w")?.device_ptr(stream);
     let (o_ptr, _ro) = out.device_mut(OP, "out")?.device_ptr_mut(stream);
-    let rule = c.gemm_rule();
     let g = DeviceGemm {
         ldc: n / 2,
         ..DeviceGemm::contiguous(m, n, k)
     };
-    // A block's 16 weight rows are 8 features' gate and up rows: the plan's block count
-    // (n / 16) is the SwiGLU form's (I / 8).
-    let Some(plan) = skinny_plan((m, n, k), (a_ptr, k), (w_ptr, k), device_limits(c), &rule) else {
-        // The wide kernel's tile of 64 weight rows is 32 features' gate and up rows: its
-        // tile count (n / 64 rounded up) is the SwiGLU form's (I / 32 rounded up), and its
-        // split the same as the plain product's.
-        let Some(plan) = own_wide_plan(c, (m, n, k), (a_ptr, k), (w_ptr, k), &rule) else {
-            return Ok(false);
-        };
-        launch_wide(
-            c,
-            WIDE_SWIGLU[plan.tiles_log2],
-            (a_ptr, w_ptr, o_ptr),
-            &g,
-            &plan,
-            true,
-        )?;
-        return Ok(true);
-    };
-    let dims = (
-        as_c_int(OP, "m", m)?,
-        as_c_int(OP, "n", n)?,
-        as_c_int(OP, "k", k)?,
-    );
-    launch_skinny_entry(
-        c,
-        SWIGLU[plan.tiles_log2],
-        (a_ptr, w_ptr, o_ptr),
-        dims,
-        &g,
-        &plan,
-    )?;
+    let ptrs = (a_ptr, w_ptr, o_ptr);
+    match own_plan(c, (m, n, k), (a_ptr, k), (w_ptr, k)) {
+        None => return Ok(false),
+        // A skinny block's 16 weight rows are 8 features' gate and up rows: the plan's block
+        // count (n / 16) is the SwiGLU form's (I / 8).
+        Some(OwnPlan::Skinny(plan)) => {
+            let dims = (
+                as_c_int(OP, "m", m)?,
+                as_c_int(OP, "n", n)?,
+                as_c_int(OP, "k", k)?,
+            );
+            launch_skinny_entry(c, SWIGLU[plan.tiles_log2], ptrs, dims, &g, &plan)?;
+        }
+        // A wide tile of 64 weight rows is 32 features' gate and up rows: its tile count
+        // (n / 64 rounded up) is the SwiGLU form's (I / 32 rounded up), and its split the
+        // plain product's (`launch_wide`).
+        Some(OwnPlan::Wide(plan)) => {
+            launch_wide(c, WIDE_SWIGLU[plan.tiles_log2], ptrs, &g, &plan, true)?;
+        }
+    }
     Ok(true)
 }
 

@@ -550,50 +550,44 @@ pub(crate) const CASES: [CaseSpec; 36] = {
 /// Conformance cases: [`CASES`], then [`SWIGLU_CASES`].
 #[cfg(any(test, feature = "conformance"))]
 pub(crate) fn cases() -> Vec<Case> {
+    /// A registry case running `run` under the rule of `path`, heavy or not.
+    fn ruled(
+        name: &'static str,
+        path: Path,
+        heavy: bool,
+        run: impl Fn(&Backend) -> Result<CaseRun> + Send + Sync + 'static,
+    ) -> Case {
+        let c = Case::new(OP, name, move |be: &Backend| {
+            under_case_rule(be, path, || run(be))
+        });
+        if heavy { c.heavy() } else { c }
+    }
     CASES
         .iter()
         .map(
-            |&(name, (m, n, k), pad, accumulate, bf16_out, seed, heavy, path)| {
-                let c = match pad {
-                    None => {
-                        let run = case(m, n, k, seed, bf16_out);
-                        Case::new(OP, name, move |be: &Backend| {
-                            under_case_rule(be, path, || run(be))
-                        })
+            |&(name, (m, n, k), pad, accumulate, bf16_out, seed, heavy, path)| match pad {
+                None => ruled(name, path, heavy, case(m, n, k, seed, bf16_out)),
+                Some(pad) => {
+                    let s = Strided {
+                        m,
+                        n,
+                        k,
+                        pad,
+                        accumulate,
+                    };
+                    if bf16_out {
+                        ruled(name, path, heavy, strided_case::<bf16>(s, seed))
+                    } else {
+                        ruled(name, path, heavy, strided_case::<f32>(s, seed))
                     }
-                    Some(pad) => {
-                        let s = Strided {
-                            m,
-                            n,
-                            k,
-                            pad,
-                            accumulate,
-                        };
-                        if bf16_out {
-                            let run = strided_case::<bf16>(s, seed);
-                            Case::new(OP, name, move |be: &Backend| {
-                                under_case_rule(be, path, || run(be))
-                            })
-                        } else {
-                            let run = strided_case::<f32>(s, seed);
-                            Case::new(OP, name, move |be: &Backend| {
-                                under_case_rule(be, path, || run(be))
-                            })
-                        }
-                    }
-                };
-                if heavy { c.heavy() } else { c }
+                }
             },
         )
         .chain(
             SWIGLU_CASES
                 .iter()
                 .map(|&(name, (m, n, k), seed, heavy, path)| {
-                    let run = swiglu_case(m, n, k, seed);
-                    let c = Case::new(OP, name, move |be: &Backend| {
-                        under_case_rule(be, path, || run(be))
-                    });
-                    if heavy { c.heavy() } else { c }
+                    ruled(name, path, heavy, swiglu_case(m, n, k, seed))
                 }),
         )
         .collect()
