@@ -10,8 +10,8 @@ use dflash_context::{ContextGeometry, ContextHandle, ContextStore, LayerPool, NO
 use dflash_ops::proposal_argmax::{self, ProposalHead as OpsHead};
 use dflash_ops::{
     Backend, Buffer, bf16, candidate_selector, dynamic_grouped_conv, embedding_gather, gemm,
-    head_norm_rope, residual_add, rms_norm, sliding_window_attention, softmax_attention,
-    unary_topk,
+    head_norm_rope, l2_prefetch, residual_add, rms_norm, sliding_window_attention,
+    softmax_attention, unary_topk,
 };
 
 use crate::target::{HeadShape, TargetParts};
@@ -457,6 +457,12 @@ impl DraftModel {
             k: kk,
         };
 
+        let layers = &self.weights.layers;
+        // The L2 prefetch chain (`prefetch_next`): each weight GEMM is followed by the
+        // prefetch of the next one's weight; the first layer's Q/K/V while the block starts.
+        if let Some(first) = layers.first() {
+            prefetch_next(be, &first.qkv_proj)?;
+        }
         embedding_gather::run(
             be,
             &ws.ids,
@@ -469,12 +475,16 @@ impl DraftModel {
         )?;
         // The block's RoPE angles, shared by every layer's Q/K.
         head_norm_rope::rope_table(be, &ws.frontiers, &mut ws.angles, &self.qkv_params(rows, w))?;
-        let layers = &self.weights.layers;
         // DFlash: whether `ws.n` already holds this layer's input norm (the previous layer's
         // last residual add is fused with it).
         let mut normed = false;
         for (l, lw) in layers.iter().enumerate() {
             let pool = store.layer(l)?;
+            // The weight the layer's last GEMM (down) prefetches: the next layer's Q/K/V, after
+            // the last layer the head's.
+            let after = layers
+                .get(l + 1)
+                .map_or(target.head_weight(), |nl| &nl.qkv_proj);
             match (&lw.attention_conv, &lw.mlp_conv) {
                 (None, None) => {
                     // DFlash: y = x + W_o attn(norm(x)); x_next = y + W_down(swiglu(...)).
@@ -483,6 +493,7 @@ impl DraftModel {
                     }
                     self.attention(l, lw, pool, ws)?;
                     gemm::run_bf16(be, &ws.attn, &lw.o_proj, &mut ws.o, &gm(hidden, hq * d))?;
+                    prefetch_next(be, &lw.gate_up_proj)?;
                     rms_norm::run_residual(
                         be,
                         &mut ws.x,
@@ -491,7 +502,7 @@ impl DraftModel {
                         &mut ws.n,
                         &norm_p,
                     )?;
-                    mlp(be, lw, ws, tokens, hidden, inter)?;
+                    mlp(be, lw, ws, (tokens, hidden, inter), after)?;
                     let next = layers
                         .get(l + 1)
                         .filter(|nl| nl.attention_conv.is_none() && nl.mlp_conv.is_none());
@@ -529,6 +540,7 @@ impl DraftModel {
                     )?;
                     self.attention(l, lw, pool, ws)?;
                     gemm::run_bf16(be, &ws.attn, &lw.o_proj, &mut ws.o, &gm(hidden, hq * d))?;
+                    prefetch_next(be, &lw.gate_up_proj)?;
                     dynamic_grouped_conv::finish(
                         be,
                         &ws.o,
@@ -549,7 +561,7 @@ impl DraftModel {
                         ws.conv_scratch.as_mut().ok_or_else(no_conv_scratch)?,
                         &conv_p,
                     )?;
-                    mlp(be, lw, ws, tokens, hidden, inter)?;
+                    mlp(be, lw, ws, (tokens, hidden, inter), after)?;
                     dynamic_grouped_conv::finish(
                         be,
                         &ws.o,
@@ -705,6 +717,7 @@ impl DraftModel {
                 k: hidden,
             },
         )?;
+        prefetch_next(be, &lw.o_proj)?;
         head_norm_rope::run_qkv(
             be,
             &ws.qkv_raw,
@@ -818,15 +831,28 @@ fn no_conv_scratch() -> DraftError {
     )
 }
 
+/// After a weight GEMM of the block: prefetch into the L2 the first
+/// `l2_prefetch::budget(be)` bytes of the next weight GEMM's weight `next`, so that its
+/// stream starts while the kernels between the two (norms, RoPE, attention, SwiGLU) leave
+/// the DRAM idle. Changes no result (the op's contract); nothing when the budget is 0 (the
+/// CPU).
+fn prefetch_next(be: &Backend, next: &Buffer<bf16>) -> Result<()> {
+    let budget = l2_prefetch::budget(be);
+    if budget > 0 {
+        l2_prefetch::run(be, next, budget)?;
+    }
+    Ok(())
+}
+
 /// `ws.o = W_down(swiglu(W_gate ws.n, W_up ws.n))`: one GEMM against `[gate; up]` with the
-/// SwiGLU on the way out (`gemm::run_swiglu`; `ws.gate_up` its scratch), the down projection.
+/// SwiGLU on the way out (`gemm::run_swiglu`; `ws.gate_up` its scratch), the down projection;
+/// each GEMM followed by the prefetch of the next weight (down's, then `after`).
 fn mlp(
     be: &Backend,
     lw: &LayerWeights,
     ws: &mut Workspace,
-    tokens: usize,
-    hidden: usize,
-    inter: usize,
+    (tokens, hidden, inter): (usize, usize, usize),
+    after: &Buffer<bf16>,
 ) -> Result<()> {
     let gi = gemm::GemmParams {
         m: tokens,
@@ -841,6 +867,7 @@ fn mlp(
         &mut ws.act,
         &gi,
     )?;
+    prefetch_next(be, &lw.down_proj)?;
     gemm::run_bf16(
         be,
         &ws.act,
@@ -852,7 +879,7 @@ fn mlp(
             k: inter,
         },
     )?;
-    Ok(())
+    prefetch_next(be, after)
 }
 
 /// A validated row as staged: where its context lives and its per-round values.

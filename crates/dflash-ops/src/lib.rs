@@ -28,6 +28,7 @@ pub mod embedding_gather;
 pub mod feature_projection;
 pub mod gemm;
 pub mod head_norm_rope;
+pub mod l2_prefetch;
 pub mod proposal_argmax;
 pub mod residual_add;
 pub mod rms_norm;
@@ -52,6 +53,7 @@ pub const OPS: &[&str] = &[
     context_kv_materialize::OP,
     embedding_gather::OP,
     gemm::OP,
+    l2_prefetch::OP,
     swiglu::OP,
     residual_add::OP,
     sliding_window_attention::OP,
@@ -75,6 +77,7 @@ pub(crate) const OP_CASES: &[fn() -> Vec<registry::Case>] = &[
     context_kv_materialize::cases,
     embedding_gather::cases,
     gemm::cases,
+    l2_prefetch::cases,
     swiglu::cases,
     residual_add::cases,
     sliding_window_attention::cases,

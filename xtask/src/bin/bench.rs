@@ -3,14 +3,18 @@
 //! graphs and timed with CUDA events, against the memory floor.
 //!
 //! `dflash-bench [--out DIR] [--commit HASH] [--quick] [--only SUBSTRING] [--shape B,K,CTX]
-//! [--portable] [--gemm-rule M,N,W,WMANY,DEP[,WIDE]]`:
+//! [--portable] [--gemm-rule M,N,W,WMANY,DEP[,WIDE]] [--l2-prefetch MIB[,MIB...]]`:
 //! prints a table and writes `DIR/performance.json` (an array of `{"op", "draft", "B", "K",
 //! "context", "median_us", "floor_us"}`) and `DIR/performance.md`. `--portable` restricts the
 //! backend to the portable kernel variants (no sm_90a variants of the heads and attention), for
 //! comparison. `--gemm-rule` sets the skinny GEMM's rule (`gemm::SkinnyRule`: the most rows,
 //! the most weight rows, warps a block on grids of at most two blocks an SM and on larger
 //! ones, 1 to launch it as a dependent or 0, and optionally the wide kernel's most rows on
-//! sm_90a, 0 for none) instead of the default, to measure another.
+//! sm_90a, 0 for none) instead of the default, to measure another. `--l2-prefetch MIB` sets
+//! the backend's L2 prefetch budget (`CudaBackend::set_l2_prefetch_budget`: what the draft
+//! block prefetches of each next weight GEMM's weight, in MiB; 0 for none); with several
+//! values the round rows are measured once per budget, in the order given (a sweep: the
+//! log names each budget; every other row runs at the first).
 //! `--shape B,K,CTX` runs that one shape instead of the list (for Nsight Compute on one shape).
 //! `--only SUBSTRING` keeps the groups whose name contains it: `attention`, `head`, `gemm`
 //! (its own report, below), `block`, `round` (`--only round`: the round rows alone, over B in
@@ -1052,6 +1056,22 @@ fn main() -> Result<()> {
             wide_max_m: wide,
         });
     }
+    // `--l2-prefetch MIB[,MIB...]`: the draft block's L2 prefetch budget(s) instead of the
+    // default (bytes).
+    let budgets: Vec<usize> = match value("--l2-prefetch")? {
+        None => vec![cuda.l2_prefetch_budget()],
+        Some(v) => v
+            .split(',')
+            .map(|x| {
+                x.trim()
+                    .parse::<usize>()
+                    .ok()
+                    .and_then(|mib| mib.checked_mul(1 << 20))
+                    .ok_or_else(|| anyhow!("--l2-prefetch {v}: expected MiB as integers"))
+            })
+            .collect::<Result<_>>()?,
+    };
+    cuda.set_l2_prefetch_budget(budgets[0]);
     let out = value("--out")?;
     let commit = value("--commit")?.unwrap_or_else(|| "unknown".into());
     let only = value("--only")?;
@@ -1181,9 +1201,19 @@ fn main() -> Result<()> {
                 let chain = round::Chain::new(&be, &s.g)
                     .with_context(|| format!("cuBLAS chain weights of {}", d.name))?;
                 for (b, k, ctx) in round::shapes(shape, quick) {
-                    for r in round::bench_round(&cuda, &s, &chain, d, b, k, ctx)? {
-                        log(r, &mut rows);
+                    for (i, &budget) in budgets.iter().enumerate() {
+                        cuda.set_l2_prefetch_budget(budget);
+                        if budgets.len() > 1 {
+                            eprintln!("[l2 prefetch budget {} MiB]", budget >> 20);
+                        }
+                        for r in round::bench_round(&cuda, &s, &chain, d, b, k, ctx)? {
+                            // The chain has no prefetch: measured once a shape.
+                            if i == 0 || r.op == round::ROUND {
+                                log(r, &mut rows);
+                            }
+                        }
                     }
+                    cuda.set_l2_prefetch_budget(budgets[0]);
                 }
             }
         }
@@ -1193,6 +1223,7 @@ fn main() -> Result<()> {
         "# Performance report: draft attention, proposal heads, the whole block and the round\n\n\
          - date: {}\n- GPU: {} ({}), driver {}, CUDA (driver API) {}\n- commit: {commit}\n\
          - command: `{command}`\n\
+         - GEMMs: {:?}; L2 prefetch budget {} MiB a weight (`l2_prefetch`)\n\
          - time: CUDA events around CUDA-graph replays (each graph holds several back-to-back \
          calls; attention inputs rotate over copies of the context larger than the L2 cache); \
          median of 7 replays\n- floor: bytes the op must move / 4.1 TB/s (attention: the visible \
@@ -1205,6 +1236,8 @@ fn main() -> Result<()> {
         info.arch,
         driver_version(),
         info.driver_cuda_version,
+        cuda.gemm_rule(),
+        cuda.l2_prefetch_budget() as f64 / f64::from(1 << 20),
         if rows.iter().any(|r| r.op == round::ROUND) {
             round::HEADER
         } else {

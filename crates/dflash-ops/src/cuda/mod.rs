@@ -97,10 +97,11 @@ pub const ARCH_SPECIFIC_OPS: [&str; 5] = [
 /// unless [`KernelVariants::Portable`]. The kernels that usually precede a GEMM in the draft
 /// block (`rms_norm`, `swiglu`, the `dynamic_grouped_conv` kernels, the attention merge) let
 /// their dependents launch as they start, a no-op unless the next kernel is one.
-pub const DEPENDENT_LAUNCH_OPS: [&str; 3] = [
+pub const DEPENDENT_LAUNCH_OPS: [&str; 4] = [
     crate::softmax_attention::OP,
     crate::sliding_window_attention::OP,
     crate::gemm::OP,
+    crate::l2_prefetch::OP,
 ];
 
 /// Ops that launch thread-block clusters on compute capability 9.0 and later
@@ -125,6 +126,8 @@ struct Inner {
     /// [`GemmKernels::Auto`] (see [`CudaBackend::set_gemm_kernels`]).
     own_gemm: std::sync::atomic::AtomicBool,
     gemm_rule: Mutex<crate::gemm::SkinnyRule>,
+    /// [`CudaBackend::l2_prefetch_budget`].
+    l2_prefetch_budget: std::sync::atomic::AtomicUsize,
     dependent_launch: bool,
     clusters: bool,
     include_dir: String,
@@ -295,6 +298,8 @@ pub struct DeviceLimits {
     pub sm_count: usize,
     /// Shared memory one block may opt in to (bytes).
     pub smem_per_block_optin: usize,
+    /// The L2 cache (bytes).
+    pub l2_bytes: usize,
 }
 
 /// A kernel ready to launch with a given dynamic shared memory size: its function (the
@@ -528,6 +533,10 @@ pub fn kernel_modules() -> Vec<(&'static str, String)> {
             crate::head_norm_rope::cuda::SOURCE.into(),
         ),
         (
+            crate::l2_prefetch::OP,
+            crate::l2_prefetch::cuda::SOURCE.into(),
+        ),
+        (
             crate::proposal_argmax::OP,
             crate::proposal_argmax::cuda::SOURCE.into(),
         ),
@@ -683,6 +692,7 @@ impl CudaBackend {
                 A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
                 "shared memory per block",
             )?,
+            l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "L2 size")?,
         };
         Ok(CudaBackend {
             inner: Arc::new(Inner {
@@ -692,6 +702,9 @@ impl CudaBackend {
                 sm90a: options.kernels == KernelVariants::Auto && (major, minor) == (9, 0),
                 own_gemm: std::sync::atomic::AtomicBool::new(options.gemm == GemmKernels::Auto),
                 gemm_rule: Mutex::new(crate::gemm::SkinnyRule::default()),
+                l2_prefetch_budget: std::sync::atomic::AtomicUsize::new(
+                    crate::l2_prefetch::default_budget(limits.l2_bytes),
+                ),
                 dependent_launch: options.kernels == KernelVariants::Auto && major >= 9,
                 clusters: options.kernels == KernelVariants::Auto && major >= 9,
                 include_dir,
@@ -1007,6 +1020,22 @@ impl CudaBackend {
             .gemm_rule
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = rule;
+    }
+
+    /// What the draft block prefetches into the L2 of each next weight at most, in bytes
+    /// (`crate::l2_prefetch`; 0: no prefetch). The default is the measured one
+    /// (`l2_prefetch::default_budget` of the device's L2).
+    pub fn l2_prefetch_budget(&self) -> usize {
+        self.inner.l2_prefetch_budget.load(Ordering::Relaxed)
+    }
+
+    /// Set [`Self::l2_prefetch_budget`] for work queued from now on (every clone of this
+    /// backend shares it; a recorded CUDA graph keeps the launches it recorded), e.g. to
+    /// measure another budget in one process.
+    pub fn set_l2_prefetch_budget(&self, bytes: usize) {
+        self.inner
+            .l2_prefetch_budget
+            .store(bytes, Ordering::Relaxed);
     }
 
     /// Whether the ops of [`DEPENDENT_LAUNCH_OPS`] launch kernels as programmatic
