@@ -132,6 +132,8 @@ extern "C" __global__ void head_norm_rope_qkv(const float* __restrict__ qkv,
                                               __nv_bfloat16* __restrict__ q, __nv_bfloat16* __restrict__ k,
                                               __nv_bfloat16* __restrict__ v, int tokens, int q_heads,
                                               int kv_heads, int d, float eps) {
+    df_pdl_launch_dependents();  // the attention split may launch (it waits before it reads)
+    df_pdl_wait();
     const int heads = q_heads + 2 * kv_heads;
     const long long item = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (item >= (long long)tokens * heads) return;  // whole warps exit together

@@ -126,6 +126,7 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_bf16(const __nv_bflo
                                                                  float eps, int vec, int group, int stride,
                                                                  int offset) {
     df_pdl_launch_dependents();  // a dependent GEMM may start streaming its weight
+    df_pdl_wait();
     __shared__ float partial[32];
     const long long i = blockIdx.x;
     const long long src = (i / group) * stride + offset + i % group;
@@ -140,6 +141,7 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_f32(const float* __r
                                                                 float eps, int vec, int group, int stride,
                                                                 int offset) {
     df_pdl_launch_dependents();  // a dependent GEMM may start streaming its weight
+    df_pdl_wait();
     __shared__ float partial[32];
     const long long i = blockIdx.x;
     const long long src = (i / group) * stride + offset + i % group;
@@ -157,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_residual_bf16(__nv_b
                                                                           __nv_bfloat16* __restrict__ y, int h,
                                                                           float eps, int vec) {
     df_pdl_launch_dependents();  // a dependent GEMM may start streaming its weight
+    df_pdl_wait();
     __shared__ float partial[32];
     const long long base = (long long)blockIdx.x * h;
     rms_norm_row(x, delta, w, y, base, base, h, eps, vec, partial);

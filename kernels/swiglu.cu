@@ -10,6 +10,7 @@ extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate,
                                          __nv_bfloat16* __restrict__ out, int inter, u64 stride,
                                          u64 up_off, int vec) {
     df_pdl_launch_dependents();  // a dependent GEMM may start streaming its weight
+    df_pdl_wait();
     const u64 r = blockIdx.x;
     const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
     if (c0 >= inter) return;

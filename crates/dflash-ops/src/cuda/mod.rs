@@ -91,17 +91,22 @@ pub const ARCH_SPECIFIC_OPS: [&str; 5] = [
 ];
 
 /// Ops that launch kernels as programmatic dependents of the kernel queued before each on
-/// compute capability 9.0 and later (`CudaBackend::launch_ex`: the attention merge, and
-/// the warpgroup-pair split, whose blocks wait for the kernel ahead before anything else;
-/// `gemm`'s skinny kernel, which prefetches the head of its weight rows into the L2 first),
-/// unless [`KernelVariants::Portable`]. The kernels that usually precede a GEMM in the draft
-/// block (`rms_norm`, `swiglu`, the `dynamic_grouped_conv` kernels, the attention merge) let
-/// their dependents launch as they start, a no-op unless the next kernel is one.
-pub const DEPENDENT_LAUNCH_OPS: [&str; 4] = [
+/// compute capability 9.0 and later (`CudaBackend::launch_ex`), unless
+/// [`KernelVariants::Portable`]: the attention merge, and the warpgroup-pair split, whose
+/// blocks wait for the kernel ahead before anything else; `gemm`'s skinny and wide kernels,
+/// which prefetch the head of their weight into the L2 first; `l2_prefetch`, which issues its
+/// prefetches first; and the draft layer's elementwise kernels (`rms_norm`'s, the fused
+/// `head_norm_rope_qkv`, `swiglu`), which wait at once, so that only their launch overlaps
+/// the kernel ahead. Those and the `dynamic_grouped_conv` kernels let their own dependents
+/// launch as they start (a no-op unless the next kernel is one).
+pub const DEPENDENT_LAUNCH_OPS: [&str; 7] = [
     crate::softmax_attention::OP,
     crate::sliding_window_attention::OP,
     crate::gemm::OP,
     crate::l2_prefetch::OP,
+    crate::rms_norm::OP,
+    crate::head_norm_rope::OP,
+    crate::swiglu::OP,
 ];
 
 /// Ops that launch thread-block clusters on compute capability 9.0 and later
@@ -321,6 +326,8 @@ pub(crate) enum RawArg {
     I32(i32),
     /// A `long long`.
     I64(i64),
+    /// A `float`.
+    F32(f32),
     /// A TMA descriptor (`const __grid_constant__ DfTmap`).
     Map(TensorMap),
 }
@@ -1146,6 +1153,7 @@ impl CudaBackend {
                 RawArg::Ptr(p) => (p as *mut u64).cast(),
                 RawArg::I32(v) => (v as *mut i32).cast(),
                 RawArg::I64(v) => (v as *mut i64).cast(),
+                RawArg::F32(v) => (v as *mut f32).cast(),
                 RawArg::Map(m) => (m as *mut TensorMap).cast(),
             })
             .collect();

@@ -3,7 +3,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, cuda_err, kernel_int};
+use crate::cuda::{CudaBackend, RawArg, cuda_err, kernel_int, slice_address};
 use crate::{Buffer, Result};
 
 use super::{HeadNormRopeParams, OP, QkvOut, QkvParams};
@@ -124,21 +124,22 @@ pub(super) fn qkv(
     int("q_heads + 2 * kv_heads", p.q_heads + 2 * p.kv_heads)?;
     let cfg = warp_config(items)?;
     let f = c.function(OP, SOURCE, "head_norm_rope_qkv")?;
-    let mut b = c.stream().launch_builder(&f);
-    b.arg(qkv.device(OP, "qkv")?);
-    b.arg(q_norm.device(OP, "q_norm")?);
-    b.arg(k_norm.device(OP, "k_norm")?);
-    b.arg(angles.device(OP, "angles")?);
-    b.arg(out.q.device_mut(OP, "q")?);
-    b.arg(out.k.device_mut(OP, "k")?);
-    b.arg(out.v.device_mut(OP, "v")?);
-    b.arg(&tokens);
-    b.arg(&hq);
-    b.arg(&hkv);
-    b.arg(&d);
-    b.arg(&p.eps);
+    let mut args = [
+        RawArg::Ptr(slice_address(qkv.device(OP, "qkv")?)),
+        RawArg::Ptr(slice_address(q_norm.device(OP, "q_norm")?)),
+        RawArg::Ptr(slice_address(k_norm.device(OP, "k_norm")?)),
+        RawArg::Ptr(slice_address(angles.device(OP, "angles")?)),
+        RawArg::Ptr(slice_address(out.q.device_mut(OP, "q")?)),
+        RawArg::Ptr(slice_address(out.k.device_mut(OP, "k")?)),
+        RawArg::Ptr(slice_address(out.v.device_mut(OP, "v")?)),
+        RawArg::I32(tokens),
+        RawArg::I32(hq),
+        RawArg::I32(hkv),
+        RawArg::I32(d),
+        RawArg::F32(p.eps),
+    ];
     // SAFETY: argument types and order match head_norm_rope_qkv; every length validated by
-    // `run_qkv`; each warp writes only its own head of q, k or v.
-    unsafe { b.launch(cfg) }.map_err(cuda_err("launching head_norm_rope_qkv"))?;
-    Ok(())
+    // `run_qkv`; each warp writes only its own head of q, k or v; every thread calls
+    // df_pdl_wait before it reads or writes anything.
+    unsafe { c.launch_ex(&f, cfg, &mut args, "head_norm_rope_qkv", true, 1) }
 }

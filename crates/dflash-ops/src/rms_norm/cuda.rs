@@ -1,9 +1,9 @@
 //! CUDA launcher of `rms_norm` (kernels/rms_norm.cu); also used by `feature_projection`.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
 
-use crate::cuda::{CudaBackend, cuda_err, eight_wide_threads, kernel_int, slice_address, vec_ok};
+use crate::cuda::{CudaBackend, RawArg, eight_wide_threads, kernel_int, slice_address, vec_ok};
 use crate::{Element, Result};
 
 use super::{OP, RowMap};
@@ -76,23 +76,22 @@ pub(crate) fn launch<T: RmsInput>(
     let Some((cfg, h_i)) = row_config(caller, rows, h, vec)? else {
         return Ok(());
     };
-    let vec_i = i32::from(vec);
     let f = c.function(OP, SOURCE, T::KERNEL)?;
-    let mut b = c.stream().launch_builder(&f);
-    b.arg(x);
-    b.arg(w);
-    b.arg(y);
-    b.arg(&h_i);
-    b.arg(&eps);
-    b.arg(&vec_i);
-    b.arg(&group);
-    b.arg(&stride);
-    b.arg(&offset);
+    let mut args = [
+        RawArg::Ptr(slice_address(x)),
+        RawArg::Ptr(slice_address(w)),
+        RawArg::Ptr(slice_address(y)),
+        RawArg::I32(h_i),
+        RawArg::F32(eps),
+        RawArg::I32(i32::from(vec)),
+        RawArg::I32(group),
+        RawArg::I32(stride),
+        RawArg::I32(offset),
+    ];
     // SAFETY: argument types and order match rms_norm_bf16 / rms_norm_f32; the caller checked
     // every length and the map (every source row lies in x); each block writes only its own
-    // output row.
-    unsafe { b.launch(cfg) }.map_err(cuda_err(format!("{caller}: launching {}", T::KERNEL)))?;
-    Ok(())
+    // output row; every thread calls df_pdl_wait before it reads or writes anything.
+    unsafe { c.launch_ex(&f, cfg, &mut args, T::KERNEL, true, 1) }
 }
 
 /// Queue the residual form: `x <- bf16_rne(x + delta)`, `y = norm(x)`, over `rows` rows of
@@ -119,18 +118,18 @@ pub(super) fn launch_residual(
     let Some((cfg, h_i)) = row_config(OP, rows, h, vec)? else {
         return Ok(());
     };
-    let vec_i = i32::from(vec);
     let f = c.function(OP, SOURCE, "rms_norm_residual_bf16")?;
-    let mut b = c.stream().launch_builder(&f);
-    b.arg(x);
-    b.arg(delta);
-    b.arg(w);
-    b.arg(y);
-    b.arg(&h_i);
-    b.arg(&eps);
-    b.arg(&vec_i);
+    let mut args = [
+        RawArg::Ptr(slice_address(x)),
+        RawArg::Ptr(slice_address(delta)),
+        RawArg::Ptr(slice_address(w)),
+        RawArg::Ptr(slice_address(y)),
+        RawArg::I32(h_i),
+        RawArg::F32(eps),
+        RawArg::I32(i32::from(vec)),
+    ];
     // SAFETY: argument types and order match rms_norm_residual_bf16; the caller checked every
-    // length; each block reads and writes only its own row of x, delta and y.
-    unsafe { b.launch(cfg) }.map_err(cuda_err("launching rms_norm_residual_bf16"))?;
-    Ok(())
+    // length; each block reads and writes only its own row of x, delta and y; every thread
+    // calls df_pdl_wait before it reads or writes anything.
+    unsafe { c.launch_ex(&f, cfg, &mut args, "rms_norm_residual_bf16", true, 1) }
 }

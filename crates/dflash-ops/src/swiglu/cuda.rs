@@ -1,8 +1,8 @@
 //! CUDA launcher of `swiglu` (kernels/swiglu.cu).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use crate::cuda::{CudaBackend, cuda_err, kernel_int};
+use crate::cuda::{CudaBackend, RawArg, kernel_int, slice_address};
 use crate::{Buffer, Result, bf16};
 
 use super::{OP, SwigluParams};
@@ -55,17 +55,18 @@ pub(super) fn run(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = c.stream().launch_builder(&f);
-    b.arg(gate.device(OP, "gate")?);
-    b.arg(up.device(OP, "up")?);
-    b.arg(out.device_mut(OP, "out")?);
-    b.arg(&inter);
-    b.arg(&stride_u64);
-    b.arg(&off_u64);
-    b.arg(&vec);
+    let mut args = [
+        RawArg::Ptr(slice_address(gate.device(OP, "gate")?)),
+        RawArg::Ptr(slice_address(up.device(OP, "up")?)),
+        RawArg::Ptr(slice_address(out.device_mut(OP, "out")?)),
+        RawArg::I32(inter),
+        RawArg::I64(stride_u64 as i64),
+        RawArg::I64(off_u64 as i64),
+        RawArg::I32(vec),
+    ];
     // SAFETY: argument types and count match swiglu_kernel; lengths checked by the caller
     // (the largest index read is up_off + (rows - 1) * stride + inter - 1 < input length);
-    // `vec` only where every 8-channel group starts 16-byte aligned.
-    unsafe { b.launch(cfg) }.map_err(cuda_err("launching swiglu_kernel"))?;
-    Ok(())
+    // `vec` only where every 8-channel group starts 16-byte aligned; every thread calls
+    // df_pdl_wait before it reads or writes anything.
+    unsafe { c.launch_ex(&f, cfg, &mut args, "swiglu_kernel", true, 1) }
 }
