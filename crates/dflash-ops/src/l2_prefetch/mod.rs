@@ -25,7 +25,7 @@
 //! Caller guarantees. The buffer is live until the launch has been queued (the prefetch
 //! reads no element into the program, so its data may change at any time). A device buffer
 //! starts 16-byte aligned (every allocation and [`crate::Buffer::view`] does; checked).
-//! Errors. A buffer of another backend: [`crate::OpsError::Backend`]; a device buffer not
+//! Errors. A buffer of another backend: [`crate::OpsError::WrongBackend`]; a device buffer not
 //! 16-byte aligned: [`crate::OpsError::Param`] (`buf`).
 //! Comparison. The op has no output. Its conformance cases run a GEMM after prefetching its
 //! weight (the whole weight, a cap that is not a multiple of 16 nor of a chunk, a view at an
