@@ -28,6 +28,7 @@ extern "C" __global__ void __launch_bounds__(1024) dynamic_grouped_conv_split_ke
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ norm_w,
     __nv_bfloat16* __restrict__ split, float* __restrict__ inv, int hidden, float eps) {
     df_pdl_launch_dependents();  // a dependent GEMM may start streaming its weight
+    df_pdl_wait();
     __shared__ float part[32];
     const u64 col = blockIdx.x;
     const u64 H = (u64)hidden;
@@ -68,6 +69,7 @@ extern "C" __global__ void __launch_bounds__(256) dynamic_grouped_conv_apply_ker
     const float* __restrict__ inv, __nv_bfloat16* __restrict__ prepared,
     __nv_bfloat16* __restrict__ finish_delta, int cols, int hidden) {
     df_pdl_launch_dependents();  // a dependent GEMM may start streaming its weight
+    df_pdl_wait();
     const u64 col = blockIdx.x;
     const int i = (int)(col % (u64)cols);
     const u64 H = (u64)hidden;
@@ -111,6 +113,7 @@ extern "C" __global__ void dynamic_grouped_conv_finish_kernel(
     const __nv_bfloat16* __restrict__ base, const __nv_bfloat16* __restrict__ residual,
     __nv_bfloat16* __restrict__ out, int cols, int hidden) {
     df_pdl_launch_dependents();  // a dependent GEMM may start streaming its weight
+    df_pdl_wait();
     const u64 col = blockIdx.x;
     const int i = (int)(col % (u64)cols);
     const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;

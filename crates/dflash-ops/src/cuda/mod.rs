@@ -96,10 +96,10 @@ pub const ARCH_SPECIFIC_OPS: [&str; 5] = [
 /// blocks wait for the kernel ahead before anything else; `gemm`'s skinny and wide kernels,
 /// which prefetch the head of their weight into the L2 first; `l2_prefetch`, which issues its
 /// prefetches first; and the draft layer's elementwise kernels (`rms_norm`'s, the fused
-/// `head_norm_rope_qkv`, `swiglu`), which wait at once, so that only their launch overlaps
-/// the kernel ahead. Those and the `dynamic_grouped_conv` kernels let their own dependents
-/// launch as they start (a no-op unless the next kernel is one).
-pub const DEPENDENT_LAUNCH_OPS: [&str; 7] = [
+/// `head_norm_rope_qkv`, `swiglu`, the `dynamic_grouped_conv` kernels), which wait at once,
+/// so that only their launch overlaps the kernel ahead; they let their own dependents launch
+/// as they start (a no-op unless the next kernel is one).
+pub const DEPENDENT_LAUNCH_OPS: [&str; 8] = [
     crate::softmax_attention::OP,
     crate::sliding_window_attention::OP,
     crate::gemm::OP,
@@ -107,6 +107,7 @@ pub const DEPENDENT_LAUNCH_OPS: [&str; 7] = [
     crate::rms_norm::OP,
     crate::head_norm_rope::OP,
     crate::swiglu::OP,
+    crate::dynamic_grouped_conv::OP,
 ];
 
 /// Ops that launch thread-block clusters on compute capability 9.0 and later

@@ -9,9 +9,9 @@
 //! multiple of 16 (checked) and every device buffer starts 16-byte aligned (allocations are
 //! 256-byte aligned; borrowed views are checked for 16).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use crate::cuda::{CudaBackend, cuda_err};
+use crate::cuda::{CudaBackend, RawArg, slice_address};
 use crate::gemm::cuda::{DeviceGemm, gemm_bf16_device};
 use crate::{Buffer, OpsError, Result, bf16};
 
@@ -81,20 +81,29 @@ pub(super) fn prepare(
             block_dim: (crate::cuda::eight_wide_threads(p.hidden), 1, 1),
             shared_mem_bytes: 0,
         };
-        let raw_d = raw.device_mut(OP, "scratch.raw")?;
-        let mut inv = raw_d.slice_mut(inc..inc + columns);
-        let mut b = c.stream().launch_builder(&f);
-        b.arg(x.device(OP, "x")?);
-        b.arg(norm_w.device(OP, "norm_w")?);
-        b.arg(split.device_mut(OP, "scratch.split")?);
-        b.arg(&mut inv);
-        b.arg(&hidden_i);
-        b.arg(&eps);
+        let inv = slice_address(raw.device_mut(OP, "scratch.raw")?) + 4 * inc as u64;
+        let mut args = [
+            RawArg::Ptr(slice_address(x.device(OP, "x")?)),
+            RawArg::Ptr(slice_address(norm_w.device(OP, "norm_w")?)),
+            RawArg::Ptr(slice_address(split.device_mut(OP, "scratch.split")?)),
+            RawArg::Ptr(inv),
+            RawArg::I32(hidden_i),
+            RawArg::F32(eps),
+        ];
         // SAFETY: argument types and count match dynamic_grouped_conv_split_kernel; x has
-        // columns*H elements, split 2*columns*H, the inverse RMS view `columns` (checked by
-        // `prepare` through PrepareScratch::lens).
-        unsafe { b.launch(cfg) }
-            .map_err(cuda_err("launching dynamic_grouped_conv_split_kernel"))?;
+        // columns*H elements, split 2*columns*H, raw at least inc + columns f32 (the inverse
+        // RMS words from element inc; checked by `prepare` through PrepareScratch::lens);
+        // every thread calls df_pdl_wait before it reads or writes anything.
+        unsafe {
+            c.launch_ex(
+                &f,
+                cfg,
+                &mut args,
+                "dynamic_grouped_conv_split_kernel",
+                true,
+                1,
+            )
+        }?;
     }
     {
         let raw_d = raw.device_mut(OP, "scratch.raw")?;
@@ -114,24 +123,32 @@ pub(super) fn prepare(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let raw_d = raw.device(OP, "scratch.raw")?;
-    let inc_view = raw_d.slice(0..inc);
-    let inv = raw_d.slice(inc..inc + columns);
-    let mut b = c.stream().launch_builder(&f);
-    b.arg(x.device(OP, "x")?);
-    b.arg(norm_w.device(OP, "norm_w")?);
-    b.arg(base.device(OP, "base")?);
-    b.arg(&inc_view);
-    b.arg(&inv);
-    b.arg(prepared.device_mut(OP, "prepared")?);
-    b.arg(finish_delta.device_mut(OP, "finish_delta")?);
-    b.arg(&cols_i);
-    b.arg(&hidden_i);
+    let raw_p = slice_address(raw.device(OP, "scratch.raw")?);
+    let mut args = [
+        RawArg::Ptr(slice_address(x.device(OP, "x")?)),
+        RawArg::Ptr(slice_address(norm_w.device(OP, "norm_w")?)),
+        RawArg::Ptr(slice_address(base.device(OP, "base")?)),
+        RawArg::Ptr(raw_p),
+        RawArg::Ptr(raw_p + 4 * inc as u64),
+        RawArg::Ptr(slice_address(prepared.device_mut(OP, "prepared")?)),
+        RawArg::Ptr(slice_address(finish_delta.device_mut(OP, "finish_delta")?)),
+        RawArg::I32(cols_i),
+        RawArg::I32(hidden_i),
+    ];
     // SAFETY: argument types and count match dynamic_grouped_conv_apply_kernel; lengths
-    // checked by `prepare`; the split kernel and the GEMM above wrote every increment and
-    // inverse RMS this kernel reads.
-    unsafe { b.launch(cfg) }.map_err(cuda_err("launching dynamic_grouped_conv_apply_kernel"))?;
-    Ok(())
+    // checked by `prepare` (raw: inc increments, then the inverse RMS words); the split
+    // kernel and the GEMM above wrote every increment and inverse RMS this kernel reads, and
+    // every thread calls df_pdl_wait before it reads or writes anything.
+    unsafe {
+        c.launch_ex(
+            &f,
+            cfg,
+            &mut args,
+            "dynamic_grouped_conv_apply_kernel",
+            true,
+            1,
+        )
+    }
 }
 
 pub(super) fn finish(
@@ -159,16 +176,25 @@ pub(super) fn finish(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = c.stream().launch_builder(&f);
-    b.arg(z.device(OP, "z")?);
-    b.arg(finish_delta.device(OP, "finish_delta")?);
-    b.arg(base.device(OP, "base")?);
-    b.arg(residual.device(OP, "residual")?);
-    b.arg(out.device_mut(OP, "out")?);
-    b.arg(&cols_i);
-    b.arg(&hidden_i);
+    let mut args = [
+        RawArg::Ptr(slice_address(z.device(OP, "z")?)),
+        RawArg::Ptr(slice_address(finish_delta.device(OP, "finish_delta")?)),
+        RawArg::Ptr(slice_address(base.device(OP, "base")?)),
+        RawArg::Ptr(slice_address(residual.device(OP, "residual")?)),
+        RawArg::Ptr(slice_address(out.device_mut(OP, "out")?)),
+        RawArg::I32(cols_i),
+        RawArg::I32(hidden_i),
+    ];
     // SAFETY: argument types and count match dynamic_grouped_conv_finish_kernel; lengths
-    // checked by `finish`.
-    unsafe { b.launch(cfg) }.map_err(cuda_err("launching dynamic_grouped_conv_finish_kernel"))?;
-    Ok(())
+    // checked by `finish`; every thread calls df_pdl_wait before it reads or writes anything.
+    unsafe {
+        c.launch_ex(
+            &f,
+            cfg,
+            &mut args,
+            "dynamic_grouped_conv_finish_kernel",
+            true,
+            1,
+        )
+    }
 }
