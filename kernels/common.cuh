@@ -241,10 +241,13 @@ __device__ __forceinline__ float df_silu(float g) {
 // ---- Programmatic dependent launch (sm_90 and later; no-ops below) ----
 // A kernel launched with the programmatic-stream-serialization attribute (the backend's
 // `launch_ex`) may start before the kernel ahead of it in the stream has finished:
-// once every block of that kernel has called df_pdl_launch_dependents (or exited). Before
-// df_pdl_wait it may only read what the kernels before that one wrote; df_pdl_wait returns
-// once the kernel ahead has completed and its writes are visible. Launched without the
-// attribute, both are no-ops (the launch itself orders the two kernels).
+// once every block of that kernel has called df_pdl_launch_dependents (or exited). Kernels
+// trigger early (most call df_pdl_launch_dependents as they start), so when a kernel starts,
+// the one ahead and the ones before it may all still run: before df_pdl_wait a kernel reads
+// nothing that any earlier kernel in the stream may still write (weights, uploaded row
+// metadata), and writes nothing. df_pdl_wait returns once the kernel ahead has completed and
+// its writes are visible; since that kernel waited too, so have all before it. Launched
+// without the attribute, both are no-ops (the launch itself orders the two kernels).
 __device__ __forceinline__ void df_pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

@@ -95,6 +95,12 @@ struct Row {
     floor_us: f64,
 }
 
+/// The op of a round row measured under L2 prefetch budget `bytes` in a `--l2-prefetch`
+/// sweep (after the first budget): `round@l2=N MiB`. Leaked: a handful per run.
+fn sweep_label(bytes: usize) -> &'static str {
+    Box::leak(format!("{}@l2={} MiB", round::ROUND, bytes >> 20).into_boxed_str())
+}
+
 fn floor_us(bytes: f64) -> f64 {
     bytes / FLOOR_BYTES_PER_S * 1e6
 }
@@ -1206,9 +1212,14 @@ fn main() -> Result<()> {
                         if budgets.len() > 1 {
                             eprintln!("[l2 prefetch budget {} MiB]", budget >> 20);
                         }
-                        for r in round::bench_round(&cuda, &s, &chain, d, b, k, ctx)? {
-                            // The chain has no prefetch: measured once a shape.
-                            if i == 0 || r.op == round::ROUND {
+                        for mut r in round::bench_round(&cuda, &s, &chain, d, b, k, ctx)? {
+                            // The chain has no prefetch: measured once a shape. The first
+                            // budget's round is the report's `round` (the header names that
+                            // budget); each other one is `round@l2=N MiB`.
+                            if i > 0 && r.op == round::ROUND {
+                                r.op = sweep_label(budget);
+                            }
+                            if i == 0 || r.op != round::CHAIN {
                                 log(r, &mut rows);
                             }
                         }

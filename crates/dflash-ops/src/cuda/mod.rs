@@ -1031,8 +1031,9 @@ impl CudaBackend {
     }
 
     /// What the draft block prefetches into the L2 of each next weight at most, in bytes
-    /// (`crate::l2_prefetch`; 0: no prefetch). The default is the measured one
-    /// (`l2_prefetch::default_budget` of the device's L2).
+    /// (`crate::l2_prefetch`; 0: no prefetch). The default is
+    /// `l2_prefetch::default_budget` of the device's L2 (see that function for what was
+    /// measured).
     pub fn l2_prefetch_budget(&self) -> usize {
         self.inner.l2_prefetch_budget.load(Ordering::Relaxed)
     }
@@ -1128,10 +1129,12 @@ impl CudaBackend {
     /// (programmatic stream serialization) when `dependent` and
     /// [`Self::uses_dependent_launch`], else as an ordinary launch. A dependent launch may
     /// start as soon as every block of the kernel
-    /// ahead has called `df_pdl_launch_dependents` (kernels/common.cuh): `func` must call
-    /// `df_pdl_wait` before it reads anything that kernel writes, and every block of it must
-    /// call it before exiting (so that work queued after `func` also follows the kernel
-    /// ahead). The same holds inside a captured CUDA graph (a programmatic edge).
+    /// ahead has called `df_pdl_launch_dependents` (kernels/common.cuh), and since kernels
+    /// trigger early, kernels further back may still run then too: `func` must call
+    /// `df_pdl_wait` before it reads anything any earlier kernel of the stream may still
+    /// write, and before it writes anything, and every block of it must call it before
+    /// exiting (so that work queued after `func` also follows the kernel ahead). The same
+    /// holds inside a captured CUDA graph (a programmatic edge).
     ///
     /// # Safety
     ///

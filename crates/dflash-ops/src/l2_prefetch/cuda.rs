@@ -15,6 +15,10 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 pub(super) fn run<T: Element>(c: &CudaBackend, buf: &Buffer<T>, p: &Plan) -> Result<()> {
     // Checked before the empty plan returns: a host buffer is an error at any size.
     let dev = buf.device(OP, "buf")?;
+    if p.blocks == 0 {
+        // Nothing is read, so an empty view may start anywhere.
+        return Ok(());
+    }
     let address = buf.address();
     if !address.is_multiple_of(16) {
         return Err(OpsError::Param {
@@ -24,15 +28,16 @@ pub(super) fn run<T: Element>(c: &CudaBackend, buf: &Buffer<T>, p: &Plan) -> Res
             found: format!("address {address:#x}"),
         });
     }
-    if p.blocks == 0 {
-        return Ok(());
-    }
-    let blocks = u32::try_from(p.blocks).map_err(|_| OpsError::Param {
-        op: OP,
-        param: "max_bytes",
-        expected: format!("at most {} chunks", u32::MAX as u64 * BLOCK_THREADS as u64),
-        found: p.chunks.to_string(),
-    })?;
+    // A grid's x dimension holds at most 2^31 - 1 blocks.
+    let blocks = u32::try_from(p.blocks)
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| OpsError::Param {
+            op: OP,
+            param: "max_bytes",
+            expected: format!("at most {} chunks", i32::MAX as u64 * BLOCK_THREADS as u64),
+            found: p.chunks.to_string(),
+        })?;
     let kernel = c.kernel(OP, SOURCE, "l2_prefetch_kernel", BLOCK_THREADS as u32, 0)?;
     let (ptr, _guard) = dev.device_ptr(c.stream());
     let mut args = [RawArg::Ptr(ptr), RawArg::I64(p.bytes as i64)];
