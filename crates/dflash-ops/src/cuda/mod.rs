@@ -711,7 +711,7 @@ impl CudaBackend {
                 own_gemm: std::sync::atomic::AtomicBool::new(options.gemm == GemmKernels::Auto),
                 gemm_rule: Mutex::new(crate::gemm::SkinnyRule::default()),
                 l2_prefetch_budget: std::sync::atomic::AtomicUsize::new(
-                    crate::l2_prefetch::default_budget(limits.l2_bytes),
+                    crate::l2_prefetch::DEFAULT_BUDGET,
                 ),
                 dependent_launch: options.kernels == KernelVariants::Auto && major >= 9,
                 clusters: options.kernels == KernelVariants::Auto && major >= 9,
@@ -1032,8 +1032,7 @@ impl CudaBackend {
 
     /// What the draft block prefetches into the L2 of each next weight at most, in bytes
     /// (`crate::l2_prefetch`; 0: no prefetch). The default is
-    /// `l2_prefetch::default_budget` of the device's L2 (see that function for what was
-    /// measured).
+    /// [`crate::l2_prefetch::DEFAULT_BUDGET`], 0 (see there for what was measured).
     pub fn l2_prefetch_budget(&self) -> usize {
         self.inner.l2_prefetch_budget.load(Ordering::Relaxed)
     }

@@ -72,12 +72,14 @@ pub fn plan(buffer_bytes: usize, max_bytes: usize) -> Plan {
     }
 }
 
-/// The default budget of a device with an L2 of `l2_bytes` bytes: half of it (the other
-/// half keeps what the kernels between the prefetch and the GEMM read, such as attention's
-/// context K/V, from evicting the prefetched lines).
-pub fn default_budget(l2_bytes: usize) -> usize {
-    l2_bytes / 2
-}
+/// The CUDA backend's default budget: 0, no prefetch, because that is what was measured
+/// (`docs/performance-l2-prefetch-h100.md`, an H100 80GB HBM3, graph replays of the round):
+/// at 16 and at 40 MiB a weight every round was slower than without the chain (35B-A3B
+/// DFlash, B = 1, K = 15, T = 2048: 933.4 us without, 953.0 and 965.2 us with; B = 8 and the
+/// 27B DFlash2 alike). The GEMMs did read faster (Nsight Compute, one block: 49 us less in
+/// the weight GEMMs at 16 MiB), but each prefetch is one more kernel on the block's chain of
+/// dependent kernels, and the 25 of a block cost more than they saved.
+pub const DEFAULT_BUDGET: usize = 0;
 
 /// The backend's prefetch budget in bytes, what the draft block prefetches of each next
 /// weight at most: the CUDA backend's `l2_prefetch_budget` (set with

@@ -72,5 +72,4 @@ fn on_the_cpu_it_changes_nothing_and_has_no_budget() {
     }
     assert_eq!(be.download(&b).expect("download"), v);
     assert_eq!(budget(&be), 0);
-    assert_eq!(default_budget(50 << 20), 25 << 20);
 }
