@@ -244,8 +244,8 @@ __device__ __forceinline__ float df_silu(float g) {
 // once every block of that kernel has called df_pdl_launch_dependents (or exited). Kernels
 // trigger early (most call df_pdl_launch_dependents as they start), so when a kernel starts,
 // the one ahead and the ones before it may all still run: before df_pdl_wait a kernel reads
-// nothing that any earlier kernel in the stream may still write (weights, uploaded row
-// metadata), and writes nothing. df_pdl_wait returns once the kernel ahead has completed and
+// only what no earlier kernel of the stream writes (weights, row metadata uploaded before
+// the chain), and writes nothing. df_pdl_wait returns once the kernel ahead has completed and
 // its writes are visible; since that kernel waited too, so have all before it. Launched
 // without the attribute, both are no-ops (the launch itself orders the two kernels).
 __device__ __forceinline__ void df_pdl_launch_dependents() {
