@@ -63,12 +63,12 @@ pub fn shapes(shape: Option<(usize, usize, usize)>, quick: bool) -> Vec<(usize, 
     }
 }
 
-/// The `round` and `cublas_chain` rows of one shape: `rows` requests of `k` mask columns at
-/// frontier `context` (see the module doc).
+/// The round row (named `op`) of one shape, and its `cublas_chain` row when `chain` is
+/// given: `rows` requests of `k` mask columns at frontier `context` (see the module doc).
 pub fn bench_round(
     cuda: &CudaBackend,
     s: &Setup,
-    chain: &Chain,
+    (op, chain): (&'static str, Option<&Chain>),
     d: &Draft,
     rows: usize,
     k: usize,
@@ -91,7 +91,9 @@ pub fn bench_round(
         Ok(())
     })
     .with_context(|| format!("round graph, {shape}"))?;
-    let blas = time_chain(cuda, chain, &s.head, rows, k)
+    let blas = chain
+        .map(|c| time_chain(cuda, c, &s.head, rows, k))
+        .transpose()
         .with_context(|| format!("cuBLAS chain, {shape}"))?;
     // The round also reads the context K/V; the chain reads only the weights.
     let weights = round_weight_bytes(&s.g);
@@ -104,10 +106,9 @@ pub fn bench_round(
         median_us,
         floor_us: floor_us(bytes as f64),
     };
-    Ok(vec![
-        row(ROUND, round, weights + kv_bytes(&s.g, rows, context)),
-        row(CHAIN, blas, weights),
-    ])
+    let mut rows = vec![row(op, round, weights + kv_bytes(&s.g, rows, context))];
+    rows.extend(blas.map(|us| row(CHAIN, us, weights)));
+    Ok(rows)
 }
 
 /// Weight bytes a round reads: the block's ([`weight_bytes`]) plus the materialize's `fc`

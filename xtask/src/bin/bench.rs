@@ -96,7 +96,7 @@ struct Row {
 }
 
 /// The op of a round row measured under L2 prefetch budget `bytes` in a `--l2-prefetch`
-/// sweep (after the first budget): `round@l2=N MiB`. Leaked: a handful per run.
+/// sweep (after the first budget): `round@l2=N MiB`. Leaked: once per budget of a run.
 fn sweep_label(bytes: usize) -> &'static str {
     Box::leak(format!("{}@l2={} MiB", round::ROUND, bytes >> 20).into_boxed_str())
 }
@@ -1078,6 +1078,13 @@ fn main() -> Result<()> {
             .collect::<Result<_>>()?,
     };
     cuda.set_l2_prefetch_budget(budgets[0]);
+    // The op of each budget's round rows: the first budget's is the report's `round` (the
+    // header names that budget), each further one's `round@l2=N MiB`.
+    let round_ops: Vec<&'static str> = budgets
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| if i == 0 { round::ROUND } else { sweep_label(b) })
+        .collect();
     let out = value("--out")?;
     let commit = value("--commit")?.unwrap_or_else(|| "unknown".into());
     let only = value("--only")?;
@@ -1207,21 +1214,15 @@ fn main() -> Result<()> {
                 let chain = round::Chain::new(&be, &s.g)
                     .with_context(|| format!("cuBLAS chain weights of {}", d.name))?;
                 for (b, k, ctx) in round::shapes(shape, quick) {
-                    for (i, &budget) in budgets.iter().enumerate() {
+                    for (i, (&budget, &op)) in budgets.iter().zip(&round_ops).enumerate() {
                         cuda.set_l2_prefetch_budget(budget);
                         if budgets.len() > 1 {
                             eprintln!("[l2 prefetch budget {} MiB]", budget >> 20);
                         }
-                        for mut r in round::bench_round(&cuda, &s, &chain, d, b, k, ctx)? {
-                            // The chain has no prefetch: measured once a shape. The first
-                            // budget's round is the report's `round` (the header names that
-                            // budget); each other one is `round@l2=N MiB`.
-                            if i > 0 && r.op == round::ROUND {
-                                r.op = sweep_label(budget);
-                            }
-                            if i == 0 || r.op != round::CHAIN {
-                                log(r, &mut rows);
-                            }
+                        // The chain has no prefetch: timed once a shape, with the first budget.
+                        let chain = (i == 0).then_some(&chain);
+                        for r in round::bench_round(&cuda, &s, (op, chain), d, b, k, ctx)? {
+                            log(r, &mut rows);
                         }
                     }
                     cuda.set_l2_prefetch_budget(budgets[0]);

@@ -304,8 +304,6 @@ pub struct DeviceLimits {
     pub sm_count: usize,
     /// Shared memory one block may opt in to (bytes).
     pub smem_per_block_optin: usize,
-    /// The L2 cache (bytes).
-    pub l2_bytes: usize,
 }
 
 /// A kernel ready to launch with a given dynamic shared memory size: its function (the
@@ -700,7 +698,6 @@ impl CudaBackend {
                 A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
                 "shared memory per block",
             )?,
-            l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "L2 size")?,
         };
         Ok(CudaBackend {
             inner: Arc::new(Inner {
