@@ -60,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(1024) dynamic_grouped_conv_split_ke
 
 // prepare, step 3 of 3 (step 2 is the GEMM raw[2 col + e, k] = sum_c split[2 col + e, c]
 // * w_delta[k, c], f32). grid (columns, ceil(H / 2048)), 256 threads, 8 channels per thread
-// (half a group). delta[k] = inv[col] * (raw[2 col, k] + raw[2 col + 1, k]) with k = s * 2G +
+// (half a group), each input read as one 16-byte word. delta[k] = inv[col] * (raw[2 col, k] + raw[2 col + 1, k]) with k = s * 2G +
 // t * G + g; writes prepared[col, c] and, for the first channel of each group, the BF16
 // output-side delta finish_delta[col, t * G + g].
 extern "C" __global__ void __launch_bounds__(256) dynamic_grouped_conv_apply_kernel(
@@ -87,18 +87,24 @@ extern "C" __global__ void __launch_bounds__(256) dynamic_grouped_conv_apply_ker
     };
     const float d00 = delta(0, 0), d01 = delta(0, 1);
     const __nv_bfloat16* xc = x + col * H;
+    float w[8], xv[8], b0[8], o[8];
+    df_load8(norm_w + c0, w);
+    df_load8(xc + c0, xv);
+    df_load8(base + c0, b0);
+    if (i >= 1) {
+        float xp[8], b1[8];
+        df_load8(xc - H + c0, xp);
+        df_load8(base + H + c0, b1);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int c = c0 + j;
-        const float w = bf2f(norm_w[c]);
-        const float n0 = w * bf2f(xc[c]) * inv0;
-        float v = (bf2f(base[c]) + d00) * n0;
-        if (i >= 1) {
-            const float n1 = w * bf2f(xc[(long long)c - (long long)hidden]) * inv1;
-            v = fmaf(bf2f(base[H + c]) + d01, n1, v);
+        for (int j = 0; j < 8; ++j) {
+            const float n0 = w[j] * xv[j] * inv0, n1 = w[j] * xp[j] * inv1;
+            o[j] = fmaf(b1[j] + d01, n1, (b0[j] + d00) * n0);
         }
-        prepared[col * H + c] = f2bf(v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = (b0[j] + d00) * (w[j] * xv[j] * inv0);
     }
+    df_store8(prepared + col * H + c0, o);
     if (c0 % DGC_GROUP == 0) {
         finish_delta[col * (u64)(2 * G) + g] = f2bf(delta(1, 0));
         finish_delta[col * (u64)(2 * G) + G + g] = f2bf(delta(1, 1));
