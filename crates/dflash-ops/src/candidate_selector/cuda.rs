@@ -1,5 +1,7 @@
 //! CUDA launcher of `candidate_selector` (kernels/candidate_selector.cu): one 512-thread block
-//! (16 warps, one per candidate rank) per row, the k steps in order inside the block.
+//! per row. Per batch of up to 16 steps the block first forms every edge score the walk could
+//! need (16 predecessors x 16 candidates a step, none waiting on a decision; each warp a 4 x 4
+//! tile), then one thread walks the steps over those tables.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -14,8 +16,15 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
     "/../../kernels/candidate_selector.cu"
 ));
 
-/// Threads per block: one warp per candidate rank (`CS_THREADS` in the kernel).
+/// Threads per block: 16 warps (`CS_THREADS` in the kernel).
 const THREADS: u32 = (TOP_K * 32) as u32;
+
+/// Dynamic shared memory of a block (`CS_SMEM_BYTES` in the kernel): one rank chunk of the 16
+/// `a` rows (`[16, 256]` f32), the edge tables of a batch of 16 steps (`[16, 16, 16]` f32),
+/// the batch's clamped ids (`[17, 16]` i32), its candidate ids as given (`[16, 16]` i32) and
+/// its uniforms (`[16]` f32): 34944 bytes, under the 48 KiB every device gives a block
+/// without opting in.
+const SMEM_BYTES: u32 = ((TOP_K * 256 + 16 * TOP_K * TOP_K + 33 * TOP_K + 16) * 4) as u32;
 
 /// Shapes were validated by `super::run` (rows >= 1, rank <= MAX_RANK, vocab <= MAX_VOCAB).
 pub(super) fn run(c: &CudaBackend, i: &Inputs<'_>, o: &mut Outputs<'_>, p: &Params) -> Result<()> {
@@ -23,8 +32,7 @@ pub(super) fn run(c: &CudaBackend, i: &Inputs<'_>, o: &mut Outputs<'_>, p: &Para
     let cfg = LaunchConfig {
         grid_dim: (p.rows as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
-        // rank <= MAX_RANK = 8192 floats: 32 KiB, under the 48 KiB default limit.
-        shared_mem_bytes: (p.rank * std::mem::size_of::<f32>()) as u32,
+        shared_mem_bytes: SMEM_BYTES,
     };
     let (k, rank, vocab) = (p.k as i32, p.rank as i32, p.vocab as i32);
     let purpose = Purpose::Dflash2Proposal as u32;

@@ -29,8 +29,12 @@
 //!   `a[r] * W_succ` is exact in F32 (barring under/overflow): fused multiply-add and
 //!   multiply-then-add agree; only the order of the R additions can differ.
 //! Accumulation. The CPU sums in increasing r; CUDA sums lane-strided partials (lane l takes
-//!   r = l, l+32, ...) combined by a butterfly, a different order. Hence q is compared with a
-//!   tolerance and ids exactly on fixtures whose decisions keep a margin.
+//!   r = l, l+32, ..., fmaf in increasing r) combined by a butterfly over the lanes at offsets
+//!   16, 8, 4, 2, 1 (computed as a reduce-scatter of 16 sums at once: the same additions), a
+//!   different order. Hence q is compared with a tolerance and ids exactly on fixtures whose
+//!   decisions keep a margin. The CUDA walk forms every edge score a step could need (16
+//!   predecessors x 16 candidates) before it decides; each is the same value whichever
+//!   predecessor is chosen, so the walk's result is that of scoring only the chosen one.
 //! Tie-breaking. Greedy: the lowest rank among exact F32 ties of E. Sampling: inverse CDF in
 //!   rank order with a strict `u < prefix` test.
 //! Non-finite values. The CPU refuses NaN temperature, non-finite unary scores and any
@@ -693,8 +697,8 @@ pub(crate) fn cases() -> Vec<Case> {
             case(official(8, 7), MIXED, 8),
         )
         .heavy(),
-        // The CUDA walk's last register slot, partly (500) and wholly (512) used; past 512 it
-        // reads W_succ rows from memory instead of registers.
+        // Ranks of two and three 256-wide chunks of the CUDA walk's edge tables (the last one
+        // partly used).
         Case::new(
             OP,
             "r500_vocab600_rows2_k4_mixed",
@@ -709,6 +713,13 @@ pub(crate) fn cases() -> Vec<Case> {
             OP,
             "r520_vocab600_rows3_k5_mixed",
             case(small(3, 5, 520, 600), MIXED, 9),
+        ),
+        // The CUDA walk forms its edge tables 16 steps at a time: three batches (16, 16, 8),
+        // each starting from the rank the previous one chose last; a rank of two chunks.
+        Case::new(
+            OP,
+            "r300_vocab700_rows3_k40_mixed",
+            case(small(3, 40, 300, 700), MIXED, 12),
         ),
     ]
 }
