@@ -159,10 +159,12 @@ candidate_selector_walk(const __nv_bfloat16* __restrict__ g, const int* __restri
             if (s >= 0) s_cand[e - CS_TOPK] = id;
         }
         __syncthreads();
-        // Every codebook row of the batch (its first chunk) and its g rows into the L2.
+        // The codebook rows of the batch (their first chunk) and its g rows into the L2: both
+        // codebooks' rows of every id of s_ids (32 rows more than the steps read: W_succ of
+        // row 0's ids, W_pred of the last step's candidates; one loop for all).
         {
             const int lines = (min(rank, CS_RC) * 2 + 127) / 128;
-            const int n_rows = (nb + 1) * CS_TOPK * 2;  // predecessor rows of W_pred, candidates of W_succ
+            const int n_rows = (nb + 1) * CS_TOPK * 2;
             for (int e = tid; e < n_rows * lines + nb * lines; e += CS_THREADS) {
                 const int ln = e % lines, rw = e / lines;
                 const char* p;

@@ -1,7 +1,7 @@
 //! CUDA launcher of `candidate_selector` (kernels/candidate_selector.cu): one 512-thread block
 //! per row. Per batch of up to 16 steps the block first forms every edge score the walk could
 //! need (16 predecessors x 16 candidates a step, none waiting on a decision; each warp a 4 x 4
-//! tile), then one thread walks the steps over those tables.
+//! tile), then one warp walks the steps over those tables.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -19,12 +19,19 @@ pub(crate) const SOURCE: &str = include_str!(concat!(
 /// Threads per block: 16 warps (`CS_THREADS` in the kernel).
 const THREADS: u32 = (TOP_K * 32) as u32;
 
+/// The rank chunk of the kernel's edge tables (`CS_RC`) and the steps of one batch (`CS_SB`).
+const RANK_CHUNK: usize = 256;
+const STEP_BATCH: usize = 16;
+
 /// Dynamic shared memory of a block (`CS_SMEM_BYTES` in the kernel): one rank chunk of the 16
-/// `a` rows (`[16, 256]` f32), the edge tables of a batch of 16 steps (`[16, 16, 16]` f32),
-/// the batch's clamped ids (`[17, 16]` i32), its candidate ids as given (`[16, 16]` i32) and
-/// its uniforms (`[16]` f32): 34944 bytes, under the 48 KiB every device gives a block
-/// without opting in.
-const SMEM_BYTES: u32 = ((TOP_K * 256 + 16 * TOP_K * TOP_K + 33 * TOP_K + 16) * 4) as u32;
+/// `a` rows (`[16, RANK_CHUNK]` f32), the edge tables of a batch (`[STEP_BATCH, 16, 16]` f32),
+/// the batch's clamped ids (`[STEP_BATCH + 1, 16]` i32), its candidate ids as given
+/// (`[STEP_BATCH, 16]` i32) and its uniforms (`[STEP_BATCH]` f32): 34944 bytes.
+const SMEM_BYTES: u32 =
+    ((TOP_K * RANK_CHUNK + STEP_BATCH * TOP_K * TOP_K + (2 * STEP_BATCH + 1) * TOP_K + STEP_BATCH)
+        * 4) as u32;
+// Under the 48 KiB every device gives a block without opting in.
+const _: () = assert!(SMEM_BYTES as usize <= 48 * 1024);
 
 /// Shapes were validated by `super::run` (rows >= 1, rank <= MAX_RANK, vocab <= MAX_VOCAB).
 pub(super) fn run(c: &CudaBackend, i: &Inputs<'_>, o: &mut Outputs<'_>, p: &Params) -> Result<()> {
