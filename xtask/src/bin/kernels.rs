@@ -2,9 +2,10 @@
 //! (NVRTC and the CUDA headers are enough): proof that the kernels build for every
 //! architecture the crates support, sm_80 and later.
 //!
-//! `dflash-kernels [--arch sm_80,sm_86,...] [--resources]` (default: sm_80, sm_86, sm_89,
-//! sm_90, sm_100, sm_120), plus every architecture-specific module for its own architecture
-//! (the wgmma heads and attention splits for sm_90a). Prints one line per (module, arch) and
+//! `dflash-kernels [--arch sm_80,sm_86,...] [--only NAME] [--resources]` (default: sm_80,
+//! sm_86, sm_89, sm_90, sm_100, sm_120), plus every architecture-specific module for its own
+//! architecture (the wgmma heads and attention splits for sm_90a); `--only` keeps the modules
+//! whose name contains NAME (e.g. `attention`). Prints one line per (module, arch) and
 //! exits 1 when any compile fails, 3 when NVRTC or the headers cannot be found.
 //! `--resources` compiles each (module, arch) through ptxas with `-v` instead and prints one
 //! line per entry point (registers, stack frame, spill bytes per thread, `SPILLS` where ptxas
@@ -47,6 +48,16 @@ fn main() -> ExitCode {
             return ExitCode::from(3);
         }
     };
+    let only = match args.iter().position(|a| a == "--only") {
+        Some(i) => match args.get(i + 1) {
+            Some(v) => Some(v.clone()),
+            None => {
+                eprintln!("dflash-kernels: --only needs a module name (or part of one)");
+                return ExitCode::from(2);
+            }
+        },
+        None => None,
+    };
     let mut jobs: Vec<(&'static str, String, String)> = Vec::new();
     for (module, source) in dflash_ops::cuda::kernel_modules() {
         for arch in &archs {
@@ -55,6 +66,13 @@ fn main() -> ExitCode {
     }
     for (module, source, arch) in dflash_ops::cuda::arch_specific_modules() {
         jobs.push((module, source, arch.to_string()));
+    }
+    if let Some(only) = &only {
+        jobs.retain(|(module, _, _)| module.contains(only.as_str()));
+        if jobs.is_empty() {
+            eprintln!("dflash-kernels: --only {only}: no kernel module's name contains it");
+            return ExitCode::from(2);
+        }
     }
     if args.iter().any(|a| a == "--resources") {
         return resources(jobs, &include);
