@@ -22,41 +22,32 @@ mod ptxas;
 
 use std::process::ExitCode;
 
+/// The value after `flag`: `Ok(None)` when the flag is absent, `Err` (exit status 2, the
+/// message printed) when it is the last argument.
+fn flag_value(args: &[String], flag: &str, what: &str) -> Result<Option<String>, ExitCode> {
+    match args.iter().position(|a| a == flag) {
+        None => Ok(None),
+        Some(i) => args.get(i + 1).cloned().map(Some).ok_or_else(|| {
+            eprintln!("dflash-kernels: {flag} needs {what}");
+            ExitCode::from(2)
+        }),
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let archs: Vec<String> = match args.iter().position(|a| a == "--arch") {
-        Some(i) => match args.get(i + 1) {
-            Some(v) => v.split(',').map(str::to_string).collect(),
-            None => {
-                eprintln!("dflash-kernels: --arch needs a comma-separated list");
-                return ExitCode::from(2);
-            }
-        },
+    let (archs, only) = match (
+        flag_value(&args, "--arch", "a comma-separated list"),
+        flag_value(&args, "--only", "a module name (or part of one)"),
+    ) {
+        (Ok(a), Ok(o)) => (a, o),
+        (Err(e), _) | (_, Err(e)) => return e,
+    };
+    let archs: Vec<String> = match archs {
+        Some(v) => v.split(',').map(str::to_string).collect(),
         None => ["sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"]
             .map(str::to_string)
             .to_vec(),
-    };
-    // SAFETY: only probes whether the NVRTC library can be loaded.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        eprintln!("dflash-kernels: libnvrtc could not be loaded");
-        return ExitCode::from(3);
-    }
-    let include = match dflash_ops::cuda::cuda_include_dir() {
-        Ok(i) => i,
-        Err(e) => {
-            eprintln!("dflash-kernels: {e}");
-            return ExitCode::from(3);
-        }
-    };
-    let only = match args.iter().position(|a| a == "--only") {
-        Some(i) => match args.get(i + 1) {
-            Some(v) => Some(v.clone()),
-            None => {
-                eprintln!("dflash-kernels: --only needs a module name (or part of one)");
-                return ExitCode::from(2);
-            }
-        },
-        None => None,
     };
     let mut jobs: Vec<(&'static str, String, String)> = Vec::new();
     for (module, source) in dflash_ops::cuda::kernel_modules() {
@@ -74,6 +65,18 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // SAFETY: only probes whether the NVRTC library can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("dflash-kernels: libnvrtc could not be loaded");
+        return ExitCode::from(3);
+    }
+    let include = match dflash_ops::cuda::cuda_include_dir() {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("dflash-kernels: {e}");
+            return ExitCode::from(3);
+        }
+    };
     if args.iter().any(|a| a == "--resources") {
         return resources(jobs, &include);
     }
