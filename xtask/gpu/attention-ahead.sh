@@ -3,7 +3,8 @@
 # pipeline, xtask/gpu/attention-ahead.patch: S of tile t + 1 issued before the softmax of tile
 # t, P V of tile t in flight through the next step's softmax, one wgmma wait a step, 6 stages.
 # Compile-checked only (NVRTC 12.9, sm_90a: 182 / 184 registers, no spills, no ptxas
-# serialization note); never run on a GPU. The patch also carries its docs (ARCHITECTURE, the
+# serialization note; every other attention entry, sm_80 / sm_90 / sm_90a, has the registers
+# and spills it has without the patch); never run on a GPU. The patch also carries its docs (ARCHITECTURE, the
 # op's contract doc, the launcher's stage count and its test).
 # Build: `git apply xtask/gpu/attention-ahead.patch`, `cargo build --release -p xtask
 # --features cuda`; put the stripped dflash-bench and dflash-conformance in v/, the same
