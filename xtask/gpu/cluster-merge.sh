@@ -5,7 +5,11 @@
 # distributed shared memory and writes the output: no FP32 partials in global memory and no
 # merge kernel. Compile-checked only (NVRTC 12.9, sm_90a: `_d128_ks2_cm` 159 / 162
 # registers, no spills, no ptxas warning; every other entry as without the patch); never run
-# on a GPU.
+# on a GPU. The patch adds conformance cases that reach clusters of 2, 4 and 8 (16: the
+# existing f1000 / window 2048 cases and the benchmark shapes) on a 132-SM device; the cluster
+# form is taken only where cuOccupancyMaxActiveClusters places every cluster of the call at
+# once, so the last lines say whether the `_cm` kernels ran at B=1 K=15 4096 at all (if not,
+# the A/B compares the same kernels).
 # Build: `git apply xtask/gpu/cluster-merge.patch`, `cargo build --release -p xtask --features
 # cuda`; put the stripped dflash-bench and dflash-conformance in v/, main's dflash-bench as
 # v/dflash-bench-a, and ncu_agg.py beside this script; OUT the output folder. One device call,
@@ -39,4 +43,5 @@ cat $R/steps.txt $R/gpu.txt
 for f in conf confb; do [ -f $R/$f.log ] && { echo "$f: $(grep -E "result:" $R/$f.log)"; grep -E "FAIL|panic" $R/$f.log | head -8; }; done
 for v in b a b2 a2; do echo "== att$v"; grep -E "^\| (sliding|softmax)" $R/att$v.log | cut -d'|' -f2-8 | tr -s ' '; done
 grep -hE "attention" $R/aggb.txt $R/agga.txt | cut -c1-150
+for v in b a; do echo "ncu$v: $(grep -c '_cm"' $R/ncu$v.csv 2>/dev/null) rows of _cm kernels"; done
 echo "== rounds"; grep -hE "^\| (round|cublas_chain)" $R/rounda.log $R/roundb.log | cut -d'|' -f2-8 | tr -s ' '
